@@ -1,0 +1,238 @@
+"""Configuration: one YAML file decoded into a frozen `Config`.
+
+The file is either flat (every key of `Config` at the top level) or NeMo Gym's nested layout
+(`<server name>: responses_api_models: vllm_model: {...}`), so NeMo Gym's own `vllm_model.yaml`
+loads unchanged. `${name}` placeholders are resolved from `--set name=value` first, then from the
+environment; an unresolved one is an error. The environment is read only here, and only through
+the `environ` argument.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+ReasoningField = Literal["both", "reasoning", "reasoning_content"]
+
+REASONING_FIELD_ENV = "NEMO_GYM_REASONING_FIELD"
+NEMO_SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents")
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says which key and why."""
+
+
+class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base for config sections: immutable, and a misspelt key is an error."""
+
+
+class Timeouts(Settings, frozen=True, kw_only=True):
+    """Upstream timeouts. There is deliberately no total timeout: generations may run for minutes."""
+
+    connect: Seconds = 10.0
+    # Longest silence allowed while reading an upstream reply (None: wait forever).
+    read: Seconds | None = None
+    # Idle upstream connections are dropped before vLLM's own 5 s keep-alive closes them.
+    keepalive: Seconds = 4.0
+
+
+class Config(Settings, frozen=True, kw_only=True):
+    """Everything gymproxy needs; NeMo Gym's `vllm_model` keys keep their names and defaults."""
+
+    # --- NeMo Gym `vllm_model` keys (spec section 4.2) ---
+    base_url: list[str]
+    api_key: str | None = None
+    model: str | None = None
+    return_token_id_information: bool = False
+    request_prompt_and_generation_token_ids: bool = False
+    propagate_context_overflow_errors: bool = False
+    uses_reasoning_parser: bool = False
+    uses_interleaved_reasoning: bool = True
+    reasoning_field: ReasoningField = "both"
+    preserve_reasoning_in_assistant_content: bool = False
+    replace_developer_role_with_system: bool = False
+    sequential_reasoning_allowed: bool = True
+    supply_prefix_token_ids: bool = False
+    is_responses_native: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    forward_request_chat_template_kwargs: bool = False
+    continue_final_assistant_message: bool = False
+    sampling_overrides: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None
+    default_headers: dict[str, str] = {}
+    endpoint_file: str | None = None
+    endpoint_stale_grace_s: float = 300.0
+    endpoint_connection_retries: int = 8
+    endpoint_check_interval_s: float = 10.0
+    forward_session_id_as_conversation_id: bool = False
+    audio_root: str | None = None
+    use_completions_api: bool = False
+    render_chat_template: bool = False
+    tokenizer: str | None = None
+    # NeMo Gym server fields: `host`/`port` are where gymproxy listens, `name` names the pin cookie.
+    name: str = ""
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    num_workers: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    entrypoint: str | None = None
+    domain: str | None = None
+    token_id_capture_non_generating_requests: bool | None = None
+
+    # --- gymproxy's own keys ---
+    default_query: dict[str, str] = {}
+    timeouts: Timeouts = Timeouts()
+    # Long multi-turn rollouts with images exceed aiohttp's 1 MiB default.
+    max_body_size: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024
+    # Upstream connection pool: total connections across all upstreams (0 = no limit).
+    max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # A `: keep-alive` comment is sent on a stream after this much upstream silence.
+    stream_keepalive_s: Seconds = 15.0
+    access_log: bool = False
+
+
+# Options NeMo Gym has that gymproxy does not implement: refused at startup, never ignored silently.
+_UNSUPPORTED = {
+    "endpoint_file": "publish the URL through `base_url` and restart instead",
+    "supply_prefix_token_ids": "NeMo Gym's prefix-supply capture is out of gymproxy's scope",
+    "audio_root": "the metadata audio side-channel is out of gymproxy's scope",
+    "forward_session_id_as_conversation_id": "gymproxy keeps no session ids",
+}
+
+_PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    overrides: Mapping[str, str] = {},
+    environ: Mapping[str, str] = os.environ,
+    server: str | None = None,
+    extra: Mapping[str, Any] = {},
+) -> Config:
+    """Read, resolve and validate a config file; raises `ConfigError` naming the bad key.
+
+    `overrides` are the `--set name=value` pairs; `extra` holds keys set by CLI flags, which win
+    over the file.
+    """
+    raw: Any = {}
+    placeholders: set[str] = set()
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+            raw = yaml.safe_load(text) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        placeholders = {name.strip() for name in _PLACEHOLDER.findall(text)}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: the top level must be a mapping")
+    raw = _resolve(raw, overrides, environ, "")
+    section, name = _section(raw, server)
+    section = {**section, **{k: v for k, v in extra.items() if v is not None}}
+    if name is not None:
+        section.setdefault("name", name)
+    for key, value in overrides.items():
+        # A --set name that is no placeholder but a config key overrides that key.
+        if key in Config.__struct_fields__ and key not in placeholders:
+            section[key] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
+    return build_config(section, environ)
+
+
+def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Config:
+    """Validate one flat mapping of config keys."""
+    section = dict(section)
+    if isinstance(section.get("base_url"), str):
+        section["base_url"] = [section["base_url"]]
+    if section.get("reasoning_field") is None:
+        section.pop("reasoning_field", None)
+        env_value = environ.get(REASONING_FIELD_ENV, "").strip()
+        if env_value:
+            if env_value not in ("both", "reasoning", "reasoning_content"):
+                raise ConfigError(
+                    f"{REASONING_FIELD_ENV}={env_value!r} is not one of both, reasoning, reasoning_content"
+                )
+            section["reasoning_field"] = env_value
+    try:
+        # strict=False: values from --set and the environment arrive as strings ("true", "8").
+        config = msgspec.convert(section, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config: {exc}") from exc
+    _check(config)
+    return config
+
+
+def _check(config: Config) -> None:
+    if not config.base_url:
+        raise ConfigError("config: `base_url` needs at least one upstream URL")
+    for url in config.base_url:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"config: base_url {url!r} must start with http:// or https://")
+    for key, why in _UNSUPPORTED.items():
+        if getattr(config, key) not in (None, False):
+            raise ConfigError(f"config: `{key}` is not supported by gymproxy ({why})")
+    if config.is_responses_native or config.use_completions_api:
+        raise ConfigError(
+            "config: `is_responses_native` and `use_completions_api` are not available yet in this "
+            "gymproxy release"
+        )
+
+
+def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], str | None]:
+    """Find the vllm_model section in NeMo Gym's nested layout, or take a flat file as it is."""
+    nested = {
+        key: value
+        for key, value in raw.items()
+        if isinstance(value, dict) and any(t in value for t in NEMO_SERVER_TYPES)
+    }
+    if not nested:
+        return raw, None
+    stray = sorted(set(raw) - set(nested))
+    if stray:
+        raise ConfigError(f"config: unknown top-level key(s) {stray} beside NeMo Gym server entries")
+    models = {
+        key: value["responses_api_models"]["vllm_model"]
+        for key, value in nested.items()
+        if isinstance(value.get("responses_api_models"), dict)
+        and isinstance(value["responses_api_models"].get("vllm_model"), dict)
+    }
+    if server is not None:
+        if server not in models:
+            raise ConfigError(f"config: no vllm_model server named {server!r} (found {sorted(models)})")
+        return models[server], server
+    if len(models) != 1:
+        found = sorted(models) or "none"
+        raise ConfigError(f"config: expected exactly one vllm_model server, found {found}; pick one with --server")
+    ((name, section),) = models.items()
+    return section, name
+
+
+def _resolve(node: Any, overrides: Mapping[str, str], environ: Mapping[str, str], where: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _resolve(v, overrides, environ, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, overrides, environ, f"{where}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, str) or "${" not in node:
+        return node
+
+    def lookup(name: str) -> str:
+        name = name.strip()
+        if name in overrides:
+            return overrides[name]
+        if name in environ:
+            return environ[name]
+        raise ConfigError(f"config: `{where}` uses ${{{name}}}, which is neither given with --set nor in the environment")
+
+    whole = _PLACEHOLDER.fullmatch(node)
+    if whole:
+        # A whole-value placeholder may carry a YAML list or mapping (several base URLs);
+        # scalars stay strings and are converted to the key's type by build_config.
+        value = lookup(whole.group(1))
+        return yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
+    return _PLACEHOLDER.sub(lambda m: lookup(m.group(1)), node)

@@ -1,0 +1,164 @@
+"""The vLLM boundary (spec section 6): the last rewrite of every chat body before it goes upstream.
+
+Both `/v1/chat/completions` and the Responses conversion end here. The body is a mapping owned by
+the request (decoded from the client's bytes or built by `request.py`), so it is rewritten in place
+and nothing is deep-copied; messages are replaced only where a rule changes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import orjson
+
+from ..config import Config
+from ..errors import BadRequest
+
+log = logging.getLogger("gymproxy")
+
+THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+CONTROL_KEYS = ("chat_template_kwargs", "extra_body")
+
+_REASONING_KEYS = {
+    "both": ("reasoning_content", "reasoning"),
+    "reasoning": ("reasoning",),
+    "reasoning_content": ("reasoning_content",),
+}
+
+
+class Boundary:
+    """Applies one config's boundary rules; holds the only mutable state (a warn-once flag)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.reasoning_keys = _REASONING_KEYS[config.reasoning_field]
+        self.split_history = config.uses_reasoning_parser and not config.preserve_reasoning_in_assistant_content
+        self._warned_template_kwargs = False
+
+    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Rewrite `body` for vLLM; returns the body to send (a new mapping only when extra_body applies)."""
+        config = self.config
+        messages: list[dict[str, Any]] = body["messages"]
+        tools = body.get("tools")
+        if tools:
+            body["tools"] = [_without_strict(tool) for tool in tools]
+        if config.replace_developer_role_with_system:
+            body["messages"] = messages = [
+                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
+            ]
+        if config.model is not None:
+            body["model"] = config.model
+
+        metadata = body.get("metadata")
+        controls = _pop_controls(body, metadata) if metadata else {}
+        template_kwargs = dict(config.chat_template_kwargs or {})
+        requested = body.pop("chat_template_kwargs", None)
+        if requested:
+            if config.forward_request_chat_template_kwargs:
+                template_kwargs.update(requested)
+            elif not self._warned_template_kwargs:
+                self._warned_template_kwargs = True
+                log.warning(
+                    "dropping the request's top-level chat_template_kwargs "
+                    "(forward_request_chat_template_kwargs is false); use metadata.chat_template_kwargs"
+                )
+        template_kwargs.update(controls.get("chat_template_kwargs", {}))
+        if template_kwargs:
+            body["chat_template_kwargs"] = template_kwargs
+        extra_body = {**(config.extra_body or {}), **controls.get("extra_body", {})}
+
+        if config.continue_final_assistant_message and messages and messages[-1].get("role") == "assistant":
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        if config.return_token_id_information:
+            body["logprobs"] = True
+            body["top_logprobs"] = 0
+            body["return_tokens_as_token_ids"] = True
+            if config.request_prompt_and_generation_token_ids:
+                body["return_token_ids"] = True
+        if self.split_history:
+            body["messages"] = [self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)]
+        if "top_logprobs" in body and body["top_logprobs"] is None:
+            del body["top_logprobs"]  # vLLM reads a null top_logprobs as "no logprobs"
+        if extra_body:
+            body = {**extra_body, **body}
+        if config.sampling_overrides:
+            body.update(config.sampling_overrides)
+        if config.return_token_id_information and body.get("n") not in (None, 1):
+            raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
+        return body
+
+    def _split(self, message: dict[str, Any], index: int) -> dict[str, Any]:
+        """Move `<think>` blocks of an assistant history turn into the reasoning field(s)."""
+        content = message.get("content")
+        if not content:
+            return message
+        found: list[str] = []
+        if isinstance(content, str):
+            found = THINK.findall(content)
+            content = THINK.sub("", content)
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                text = part.get("text") if isinstance(part, dict) else None
+                if not isinstance(text, str):
+                    raise BadRequest(
+                        "assistant content parts must carry `text` when gymproxy splits reasoning out of history",
+                        param=f"messages[{index}].content[{j}]",
+                    )
+                found += THINK.findall(text)
+                parts.append({**part, "text": THINK.sub("", text)})
+            content = parts
+        else:
+            raise BadRequest("assistant content must be a string or a list of parts", param=f"messages[{index}].content")
+        message = {**message, "content": content}
+        if found and self.config.uses_interleaved_reasoning:
+            # All blocks are kept (NeMo Gym sends only the first).
+            reasoning = "\n".join(found)
+            for key in self.reasoning_keys:
+                message[key] = reasoning
+        return message
+
+
+def _without_strict(tool: Any) -> Any:
+    """vLLM rejects or mishandles `strict` on function tools; custom tools are left alone."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        function = tool.get("function")
+        if isinstance(function, dict) and "strict" in function:
+            return {**tool, "function": {k: v for k, v in function.items() if k != "strict"}}
+    return tool
+
+
+def _pop_controls(body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Read and remove `metadata.chat_template_kwargs` / `metadata.extra_body` (JSON object strings)."""
+    if not any(key in metadata for key in CONTROL_KEYS):
+        return {}
+    controls = {}
+    for key in CONTROL_KEYS:
+        raw = metadata.get(key)
+        if raw is None:
+            continue
+        try:
+            value = orjson.loads(raw) if raw else {}
+        except (orjson.JSONDecodeError, TypeError):
+            raise BadRequest(f"metadata.{key} must be a JSON object encoded as a string", param=f"metadata.{key}") from None
+        if not isinstance(value, dict):
+            raise BadRequest(f"metadata.{key} must decode to a JSON object", param=f"metadata.{key}")
+        controls[key] = value
+    rest = {k: v for k, v in metadata.items() if k not in CONTROL_KEYS}
+    if rest:
+        body["metadata"] = rest
+    else:
+        del body["metadata"]
+    return controls
+
+
+def sequential_reasoning_blocked(body: dict[str, Any]) -> bool:
+    """`sequential_reasoning_allowed: false`: a trailing empty assistant turn is answered locally."""
+    messages = body.get("messages") or ()
+    if not messages:
+        return False
+    last = messages[-1]
+    return last.get("role") == "assistant" and not last.get("content") and not last.get("tool_calls")

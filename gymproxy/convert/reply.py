@@ -1,0 +1,204 @@
+"""Chat completion -> Responses `Response` (spec sections 7.1 and 8), as pure functions.
+
+`to_response` is shared by the non-streaming route and the stream translator, so a streamed
+`response.completed` carries exactly what the non-streaming route returns.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from ..errors import UpstreamError
+from ..schemas.chat import AssistantMessage, ChatCompletion, Usage
+from ..schemas.responses import (
+    CustomToolCallItem,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningEcho,
+    ReasoningItem,
+    Refusal,
+    Response,
+    ResponsesRequest,
+    ResponseUsage,
+    SummaryText,
+    TextEcho,
+)
+from .boundary import THINK
+
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+NO_PARSER = (
+    "the upstream returned a reasoning field, but gymproxy's config says `uses_reasoning_parser: false`; "
+    "set it to true for a vLLM started with --reasoning-parser"
+)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def fold_reasoning(content: str | None, reasoning: str | None, *, continued: bool) -> str | None:
+    """vLLM's separate reasoning goes back inline as `<think>...</think>` (bare when continuing a turn)."""
+    if not reasoning:
+        return content
+    return (reasoning if continued else f"<think>{reasoning}</think>") + (content or "")
+
+
+def split_think(text: str) -> tuple[list[str], str]:
+    """All `<think>` blocks in order, and the text with them removed (nothing else touched)."""
+    if "<think>" not in text:
+        return [], text
+    return THINK.findall(text), THINK.sub("", text)
+
+
+def output_items(message: AssistantMessage, *, parse_think: bool) -> list[OutputItem]:
+    """Reasoning, message and tool-call items for one assistant message (spec 8.2)."""
+    content = message.content or ""
+    refusal = message.refusal or ""
+    thoughts: list[str] = []
+    if parse_think:
+        thoughts, content = split_think(content)
+    tool_calls = message.tool_calls or []
+    items: list[OutputItem] = []
+    if thoughts:
+        items.append(ReasoningItem(id=new_id("rs"), summary=[SummaryText(text=t) for t in thoughts]))
+    empty = not thoughts and not tool_calls and not refusal
+    if content or refusal or empty:
+        parts: list[OutputText | Refusal] = []
+        if content or empty:
+            parts.append(OutputText(text=content))
+        if refusal:
+            parts.append(Refusal(refusal=refusal))
+        items.append(MessageItem(id=new_id("msg"), content=parts))
+    for call in tool_calls:
+        if call.function is not None:
+            items.append(
+                FunctionCallItem(arguments=call.function.arguments, call_id=call.id, name=call.function.name, id=call.id)
+            )
+        elif call.custom is not None:
+            items.append(
+                CustomToolCallItem(
+                    call_id=call.id, name=str(call.custom.get("name", "")), input=str(call.custom.get("input", "")), id=call.id
+                )
+            )
+        else:
+            raise UpstreamError(f"the upstream returned a tool call of type '{call.type}' with no function or custom body")
+    return items
+
+
+def assistant_message(completion: ChatCompletion, *, parser: bool, continued: bool) -> AssistantMessage:
+    """choices[0].message with vLLM's reasoning field folded into `<think>` content (spec 7.1)."""
+    if not completion.choices:
+        raise UpstreamError("the upstream's chat completion has no choices")
+    message = completion.choices[0].message
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning:
+        if not parser:
+            raise UpstreamError(NO_PARSER)
+        message.content = fold_reasoning(message.content, reasoning, continued=continued)
+        message.reasoning = message.reasoning_content = None
+    return message
+
+
+def to_response(
+    completion: ChatCompletion,
+    req: ResponsesRequest,
+    *,
+    model: str | None,
+    parser: bool,
+    continued: bool = False,
+    response_id: str | None = None,
+) -> Response:
+    """The full Response envelope for one upstream chat completion (spec 8.3)."""
+    message = assistant_message(completion, parser=parser, continued=continued)
+    choice = completion.choices[0]
+    reason = INCOMPLETE_REASONS.get(choice.finish_reason or "")
+    response = Response(
+        id=response_id or new_id("resp"),
+        created_at=float(completion.created or time.time()),
+        model=model if model is not None else completion.model,
+        output=output_items(message, parse_think=parser),
+        status="incomplete" if reason else "completed",
+        incomplete_details=IncompleteDetails(reason=reason) if reason else None,
+        usage=to_usage(completion.usage),
+        **echo(req),
+    )
+    if choice.native_finish_reason is not None:
+        response.native_finish_reason = str(choice.native_finish_reason)
+    return response
+
+
+def echo(req: ResponsesRequest) -> dict[str, Any]:
+    """The request fields a Response repeats back."""
+    fields: dict[str, Any] = {
+        "instructions": req.instructions,
+        "metadata": req.metadata,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "service_tier": req.service_tier,
+        "top_logprobs": req.top_logprobs,
+        "user": req.user,
+        "tools": req.tools or [],
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+    }
+    if req.reasoning is not None:
+        r = req.reasoning
+        fields["reasoning"] = ReasoningEcho(
+            context=r.context, effort=r.effort, generate_summary=r.generate_summary, summary=r.summary
+        )
+    if req.text is not None:
+        fields["text"] = TextEcho(format=req.text.format, verbosity=req.text.verbosity)
+    return fields
+
+
+def _count(value: Any) -> int | None:
+    """Only non-negative integers count as a usage detail; anything else is unknown (null)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def to_usage(usage: Usage | None) -> ResponseUsage | None:
+    if usage is None:
+        return None
+    cached = _count(usage.prompt_tokens_details.cached_tokens) if usage.prompt_tokens_details else None
+    if cached is None:
+        cached = _count(usage.cached_input_tokens)
+    if cached is None:
+        cached = _count(usage.cache_read_input_tokens)
+    reasoning = _count(usage.completion_tokens_details.reasoning_tokens) if usage.completion_tokens_details else None
+    if reasoning is None:
+        reasoning = _count(usage.reasoning_output_tokens)
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(cached_tokens=cached),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+        total_tokens=usage.total_tokens,
+    )
+
+
+def empty_completion(model: str | None, finish_reason: str) -> dict[str, Any]:
+    """The local empty reply for a context overflow ("length") or a blocked turn ("content_filter")."""
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(16)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": finish_reason,
+                "message": {"role": "assistant", "content": None, "tool_calls": None},
+                "logprobs": None,
+            }
+        ],
+        "usage": None,
+    }

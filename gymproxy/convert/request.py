@@ -1,0 +1,374 @@
+"""Responses request -> Chat Completions request body (spec section 5), as a pure function.
+
+The result is a plain mapping, the same form `/v1/chat/completions` bodies take, so both routes
+share the vLLM-boundary rewrite in `boundary.py`. Every refusal is a `BadRequest` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..errors import BadRequest
+from ..schemas.responses import (
+    REFUSED_FIELDS,
+    AllowedToolsChoice,
+    ContentPart,
+    CustomChoice,
+    CustomTool,
+    FormatJSONObject,
+    FormatJSONSchema,
+    FunctionChoice,
+    FunctionTool,
+    ImageURL,
+    NULL,
+    InputItem,
+    ResponsesRequest,
+    ToolChoice,
+)
+
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+_NO_CHAT = (
+    "'{0}' has no Chat Completions representation, so this rollout cannot be downconverted. "
+    "Route it to a model server that passes Responses through, or send only message, reasoning, "
+    "function_call and function_call_output items."
+)
+
+
+def to_chat_body(req: ResponsesRequest, *, token_ids: bool = False) -> dict[str, Any]:
+    """Convert a Responses request into a Chat Completions body (before the vLLM boundary)."""
+    refused = sorted(name for name in REFUSED_FIELDS if getattr(req, name) is not None)
+    if refused:
+        raise BadRequest(
+            f"Responses request field(s) {refused} have no Chat Completions representation, so this "
+            "request cannot be downconverted. Route it to a model server that passes Responses through.",
+            param=refused[0],
+        )
+    turns = _Turns(token_ids)
+    if isinstance(req.input, str):
+        turns.messages.append({"role": "user", "content": [{"type": "text", "text": req.input}]})
+    else:
+        for index, item in enumerate(req.input):
+            turns.add(item, f"input[{index}]")
+    turns.flush()
+    messages = turns.messages
+    if req.instructions:
+        messages = _fold_instructions(req.instructions, messages)
+
+    body: dict[str, Any] = {"messages": messages}
+    if req.model is not None:
+        body["model"] = req.model
+    if req.max_output_tokens is not None:
+        body["max_tokens"] = req.max_output_tokens
+    if req.reasoning is not None:
+        _reasoning(req, body)
+    if req.text is not None:
+        _text_format(req, body)
+    _tools(req, body)
+    for name in _PASSED:
+        value = getattr(req, name)
+        if value is not None:
+            body[name] = value
+    if req.stream is False:
+        body["stream"] = False
+    return body
+
+
+# Request fields forwarded under the same name when sent (spec 5.1 step 10).
+_PASSED = (
+    "metadata",
+    "temperature",
+    "top_p",
+    "user",
+    "store",
+    "service_tier",
+    "top_logprobs",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "moderation",
+)
+
+
+class _Turns:
+    """Builds chat messages; consecutive assistant-side items merge into one assistant message."""
+
+    def __init__(self, token_ids: bool) -> None:
+        self.token_ids = token_ids
+        self.messages: list[dict[str, Any]] = []
+        self.pending = False
+        self.text: list[str] = []
+        self.refusal: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self.tokens: InputItem | None = None
+
+    def add(self, item: InputItem, where: str) -> None:
+        kind = item.type
+        if kind is None:
+            if item.role is None:
+                raise BadRequest(f"{where} needs a `type`, or a `role` for a message item", param=f"{where}.type")
+            kind = "message"
+        if kind == "message":
+            self._message(item, where)
+        elif kind == "reasoning":
+            self.pending = True
+            self.text.extend(f"<think>{part.text}</think>" for part in item.summary if part.text)
+        elif kind == "function_call":
+            self._function_call(item, where)
+        elif kind == "function_call_output":
+            self._function_call_output(item, where)
+        else:
+            raise BadRequest(_NO_CHAT.format(kind), param=f"{where}.type")
+        if _has_tokens(item, where) and self.token_ids:
+            self.tokens = item
+
+    def flush(self) -> None:
+        if self.pending or self.text or self.refusal or self.tool_calls:
+            message: dict[str, Any] = {"content": "".join(self.text) or None, "role": "assistant"}
+            if self.tool_calls:
+                message["tool_calls"] = self.tool_calls
+            if self.refusal:
+                message["refusal"] = "".join(self.refusal)
+            if self.tokens is not None:
+                for name in TOKEN_FIELDS:
+                    message[name] = getattr(self.tokens, name)
+                if self.tokens.routed_experts is not None:
+                    message["routed_experts"] = self.tokens.routed_experts
+            self.messages.append(message)
+            self.pending = False
+            self.text = []
+            self.refusal = []
+            self.tool_calls = []
+        self.tokens = None
+
+    def _message(self, item: InputItem, where: str) -> None:
+        if item.role is None:
+            raise BadRequest(f"{where}: a message item needs a `role`", param=f"{where}.role")
+        if item.phase is not None:
+            raise BadRequest("Responses message phase has no Chat Completions representation.", param=f"{where}.phase")
+        if item.role == "assistant":
+            self.pending = True
+            self._assistant_content(item, where)
+            for call in item.tool_calls or ():
+                self.tool_calls.append(
+                    {
+                        "id": call.id,
+                        "function": {"arguments": call.function.arguments, "name": call.function.name},
+                        "type": "function",
+                    }
+                )
+            return
+        self.flush()
+        if item.content is None:
+            raise BadRequest(f"{where}: a {item.role} message needs `content`", param=f"{where}.content")
+        content: Any = item.content
+        if not isinstance(content, str):
+            content = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
+        self.messages.append({"role": item.role, "content": content})
+
+    def _assistant_content(self, item: InputItem, where: str) -> None:
+        if isinstance(item.content, str):
+            self.text.append(item.content)
+            return
+        for i, part in enumerate(item.content or ()):
+            if part.text is None and part.refusal is None:
+                raise BadRequest(
+                    f"Unsupported assistant content part of type '{part.type}': it has neither `text` nor `refusal`.",
+                    param=f"{where}.content[{i}]",
+                )
+            if part.text is not None:
+                self.text.append(part.text)
+            if part.refusal is not None:
+                self.refusal.append(part.refusal)
+
+    def _function_call(self, item: InputItem, where: str) -> None:
+        if item.namespace is not None:
+            raise BadRequest(
+                "Responses function call namespace has no Chat Completions representation.",
+                param=f"{where}.namespace",
+            )
+        for name in ("call_id", "name", "arguments"):
+            if getattr(item, name) is None:
+                raise BadRequest(f"{where}: a function_call item needs `{name}`", param=f"{where}.{name}")
+        self.pending = True
+        self.tool_calls.append(
+            {"id": item.call_id, "function": {"arguments": item.arguments, "name": item.name}, "type": "function"}
+        )
+
+    def _function_call_output(self, item: InputItem, where: str) -> None:
+        if item.call_id is None:
+            raise BadRequest(f"{where}: a function_call_output item needs `call_id`", param=f"{where}.call_id")
+        if item.output is None:
+            raise BadRequest(f"{where}: a function_call_output item needs `output`", param=f"{where}.output")
+        self.flush()
+        content: Any = item.output
+        if not isinstance(content, str):
+            bad = sorted({part.type for part in content if part.type != "input_text"})
+            if bad:
+                raise BadRequest(
+                    f"Cannot convert Responses function_call_output for call '{item.call_id}' to a Chat "
+                    "Completions tool message: Chat tool messages cannot represent content part type(s) "
+                    + ", ".join(f"'{t}'" for t in bad),
+                    param=f"{where}.output",
+                )
+            content = [{"type": "text", "text": part.text or ""} for part in content]
+        self.messages.append({"content": content, "role": "tool", "tool_call_id": item.call_id})
+
+
+def _has_tokens(item: InputItem, where: str) -> bool:
+    """Token metadata is all-or-nothing: any field present requires the three lists."""
+    present = [name for name in TOKEN_FIELDS if getattr(item, name) is not None]
+    if not present and item.routed_experts is None:
+        return False
+    missing = [name for name in TOKEN_FIELDS if getattr(item, name) is None]
+    if missing:
+        raise BadRequest(
+            f"{where} carries partial token metadata; missing: {', '.join(missing)}",
+            param=f"{where}.{missing[0]}",
+        )
+    return True
+
+
+def _url(value: str | ImageURL | None) -> str | None:
+    return value.url if isinstance(value, ImageURL) else value
+
+
+def _part(part: ContentPart, where: str) -> dict[str, Any]:
+    if part.type == "input_text":
+        if part.text is None:
+            raise BadRequest(f"{where}: an input_text part needs `text`", param=f"{where}.text")
+        return {"type": "text", "text": part.text}
+    if part.type == "input_image":
+        url = _url(part.image_url)
+        if url is None:
+            raise BadRequest(
+                "Responses input images referenced by file_id have no Chat Completions representation.",
+                param=f"{where}.image_url",
+            )
+        if not url:
+            raise BadRequest("input_image requires a non-empty image_url", param=f"{where}.image_url")
+        detail = part.detail or "auto"
+        if detail == "original":
+            raise BadRequest(
+                "Responses input_image detail 'original' has no Chat Completions representation.",
+                param=f"{where}.detail",
+            )
+        return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+    if part.type == "input_video":
+        sources = [s for s in (part.video_url, part.video) if s is not None]
+        if len(sources) != 1:
+            raise BadRequest("input_video needs exactly one of `video_url` or `video`", param=f"{where}.video_url")
+        url = _url(sources[0])
+        if not url:
+            raise BadRequest("input_video requires a non-empty video URL", param=f"{where}.video_url")
+        return {"type": "video_url", "video_url": {"url": url}}
+    raise BadRequest(f"Unsupported part param type: {part.type}", param=f"{where}.type")
+
+
+def _fold_instructions(instructions: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`instructions` and the leading system/developer messages become one system message."""
+    parts = [instructions]
+    lead = 0
+    for message in messages:
+        if message["role"] not in ("system", "developer"):
+            break
+        content = message["content"]
+        parts.append(content if isinstance(content, str) else "".join(p.get("text", "") for p in content))
+        lead += 1
+    return [{"content": "\n\n".join(parts), "role": "system"}, *messages[lead:]]
+
+
+def _reasoning(req: ResponsesRequest, body: dict[str, Any]) -> None:
+    reasoning = req.reasoning
+    assert reasoning is not None
+    others = [name for name in ("context", "generate_summary", "summary") if getattr(reasoning, name) is not None]
+    if others:
+        raise BadRequest(
+            f"Responses reasoning field(s) {others} have no Chat Completions representation.",
+            param=f"reasoning.{others[0]}",
+        )
+    if reasoning.effort is not None:
+        body["reasoning_effort"] = reasoning.effort
+
+
+def _text_format(req: ResponsesRequest, body: dict[str, Any]) -> None:
+    text = req.text
+    assert text is not None
+    fmt = text.format
+    if isinstance(fmt, FormatJSONSchema):
+        schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema}
+        if fmt.strict is not None:
+            schema["strict"] = fmt.strict
+        if fmt.description is not None:
+            schema["description"] = fmt.description
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    elif isinstance(fmt, FormatJSONObject):
+        body["response_format"] = {"type": "json_object"}
+    if text.verbosity is not None:
+        body["verbosity"] = text.verbosity
+
+
+def _tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
+    if not req.tools:
+        if req.tool_choice not in (None, "auto", "none"):
+            raise BadRequest(f"tool_choice={_choice_repr(req.tool_choice)} requires at least one tool", param="tool_choice")
+        return
+    body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
+
+
+def _chat_tool(tool: FunctionTool | CustomTool, where: str) -> dict[str, Any]:
+    if tool.defer_loading:
+        raise BadRequest(
+            f"Responses {'function' if isinstance(tool, FunctionTool) else 'custom'} tools with "
+            "defer_loading enabled have no Chat Completions representation.",
+            param=f"{where}.defer_loading",
+        )
+    if isinstance(tool, FunctionTool):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        if tool.parameters != NULL:
+            function["parameters"] = tool.parameters
+        if tool.strict is not None:
+            function["strict"] = tool.strict
+        return {"type": "function", "function": function}
+    custom: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        custom["description"] = tool.description
+    if tool.format is not None:
+        fmt = tool.format
+        if fmt.get("type") == "grammar":
+            fmt = {"type": "grammar", "grammar": {"syntax": fmt.get("syntax"), "definition": fmt.get("definition")}}
+        custom["format"] = fmt
+    return {"type": "custom", "custom": custom}
+
+
+def _chat_tool_choice(choice: ToolChoice) -> Any:
+    if isinstance(choice, str):
+        return choice
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, CustomChoice):
+        return {"type": "custom", "custom": {"name": choice.name}}
+    assert isinstance(choice, AllowedToolsChoice)
+    refs = []
+    for i, ref in enumerate(choice.tools):
+        if ref.type not in ("function", "custom") or ref.name is None:
+            raise BadRequest(
+                f"Responses tool choice type '{ref.type}' has no Chat representation.",
+                param=f"tool_choice.tools[{i}]",
+            )
+        refs.append({"type": ref.type, ref.type: {"name": ref.name}})
+    return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": refs}}
+
+
+def _choice_repr(choice: ToolChoice | None) -> str:
+    if isinstance(choice, str):
+        return repr(choice)
+    return repr(msgspec.to_builtins(choice))

@@ -1,0 +1,122 @@
+"""gymproxy's errors, each rendered as an OpenAI error body `{"error": {message, type, param, code}}`.
+
+GymproxyError                   500 server_error
+├── BadRequest                  400 invalid_request_error   (the client's request is wrong)
+│   └── PayloadTooLarge         413 invalid_request_error
+├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
+└── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
+    └── UpstreamTimeout         504 upstream_error
+
+Handlers raise; `openai_errors` renders. No traceback or Python repr ever reaches a client.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger("gymproxy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class GymproxyError(Exception):
+    """Base: a failure of gymproxy itself (500)."""
+
+    status = 500
+    type = "server_error"
+    code: str | int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(
+            {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        )
+
+
+class BadRequest(GymproxyError):
+    """The request cannot be served as sent; `param` names the offending field."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    """The request body is over `max_body_size`."""
+
+    status = 413
+
+
+class UpstreamStatus(GymproxyError):
+    """The upstream answered with an HTTP error: keep its status and carry its message."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.status = status
+        self.type = type or ("invalid_request_error" if status < 500 else "upstream_error")
+        self.code = status
+
+
+class UpstreamError(GymproxyError):
+    """The upstream could not be reached or sent something that is not a valid reply (502)."""
+
+    status = 502
+    type = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream did not answer in time (504)."""
+
+    status = 504
+
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+
+
+def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
+    """Turn msgspec's message (``Expected `str`, got `int` - at `$.input[0].role` ``) into a 400."""
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):  # malformed JSON, not a schema mismatch
+        return BadRequest(f"The request body is not valid JSON: {text}")
+    match = _PATH.search(text)
+    path = prefix + match.group(1) if match else prefix.rstrip(".")
+    if match:
+        text = text[: match.start()]
+    unknown = _UNKNOWN.search(text)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+    return BadRequest(f"{text} at `{path}`" if path and not unknown else text, param=path or None)
+
+
+def openai_errors(handler: Handler) -> Handler:
+    """Render any error of `handler` as an OpenAI error body; scoped to gymproxy's own routes."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GymproxyError as exc:
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
+        except web.HTTPException:
+            raise
+        except Exception:  # a bug in gymproxy: log it whole, tell the client only that it happened
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return error_response(GymproxyError("internal error in gymproxy (see its log)"))
+
+    return wrapped
+
+
+def error_response(exc: GymproxyError) -> web.Response:
+    return web.Response(body=exc.body(), status=exc.status, content_type="application/json")

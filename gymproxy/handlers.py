@@ -1,0 +1,212 @@
+"""Route handlers: the only place that sequences I/O. Each step below is a call that returns a value.
+
+POST /v1/responses          read -> decode -> to_chat_body -> boundary -> upstream -> to_response
+POST /v1/chat/completions   read -> decode -> boundary -> upstream -> fold reasoning -> reply
+GET  /v1/models, POST /v1/completions, POST /tokenize   relayed to the upstream as they are
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgspec
+import orjson
+from aiohttp import web
+
+from .convert.boundary import Boundary, sequential_reasoning_blocked
+from .convert.reply import NO_PARSER, empty_completion, fold_reasoning, to_response
+from .convert.request import to_chat_body
+from .errors import BadRequest, PayloadTooLarge, UpstreamError, UpstreamStatus, from_validation
+from .overflow import is_context_overflow, upstream_message
+from .schemas import ENCODER
+from .schemas.chat import COMPLETION_DECODER, ChatRequestView
+from .schemas.responses import REQUEST_DECODER, ResponsesRequest
+from .state import Proxy
+
+JSON = "application/json"
+
+
+async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses`: convert to chat, call vLLM, convert the answer back."""
+    req = _decode_responses(await read_body(request, proxy.config.max_body_size))
+    if req.stream:
+        raise BadRequest("stream: true is not supported yet on /v1/responses", param="stream")
+    config = proxy.config
+    body = proxy.boundary.prepare(to_chat_body(req, token_ids=config.return_token_id_information))
+    continued = body.get("continue_final_message") is True
+    if not config.sequential_reasoning_allowed and sequential_reasoning_blocked(body):
+        payload = ENCODER.encode(empty_completion(config.model, "content_filter"))
+    else:
+        upstream = proxy.pool.pick()
+        status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
+        if status != 200:
+            overflow = _upstream_failure(proxy, status, payload)
+            if overflow is not None:
+                return overflow
+            payload = ENCODER.encode(empty_completion(config.model, "length"))
+    try:
+        completion = COMPLETION_DECODER.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise UpstreamError(f"the upstream's chat completion is not valid: {exc}") from exc
+    model = config.model or req.model
+    response = to_response(completion, req, model=model, parser=config.uses_reasoning_parser, continued=continued)
+    return web.Response(body=ENCODER.encode(response), content_type=JSON)
+
+
+async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`POST /v1/chat/completions`: vLLM's own API, with the boundary rules and reasoning folding."""
+    config = proxy.config
+    body = _decode_chat(await read_body(request, config.max_body_size))
+    if body.get("stream") is True:
+        raise BadRequest("stream: true is not supported yet on /v1/chat/completions", param="stream")
+    body = proxy.boundary.prepare(body)
+    continued = body.get("continue_final_message") is True
+    if not config.sequential_reasoning_allowed and sequential_reasoning_blocked(body):
+        return web.Response(body=ENCODER.encode(empty_completion(body.get("model"), "content_filter")), content_type=JSON)
+    upstream = proxy.pool.pick()
+    status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
+    if status != 200:
+        overflow = _upstream_failure(proxy, status, payload)
+        if overflow is not None:
+            return overflow
+        return web.Response(body=ENCODER.encode(empty_completion(body.get("model"), "length")), content_type=JSON)
+    # Most replies carry no reasoning field: their bytes go back untouched.
+    if b'"reasoning' in payload:
+        payload = _fold_chat_reasoning(payload, parser=config.uses_reasoning_parser, continued=continued)
+    return web.Response(body=payload, content_type=JSON)
+
+
+async def models(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`GET /v1/models`, answered by the upstream."""
+    status, payload = await proxy.pool.call(proxy.pool.pick(), "models", method="GET")
+    return web.Response(body=payload, status=status, content_type=JSON)
+
+
+async def health(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`GET /health`: gymproxy is up."""
+    return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+
+
+def relay(route: str) -> Any:
+    """A handler that forwards the request body to `route` and streams the reply back unchanged."""
+
+    async def handler(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+        data = await read_body(request, proxy.config.max_body_size)
+        async with proxy.pool.request(proxy.pool.pick(), route, data=data) as up:
+            response = web.StreamResponse(status=up.status)
+            response.content_type = up.content_type
+            if up.content_type == "text/event-stream":
+                response.headers.update(SSE_HEADERS)
+            await response.prepare(request)
+            try:
+                async for chunk in up.content.iter_any():
+                    await response.write(chunk)
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                # The status line is gone: drop the connection so the client sees a cut body,
+                # never a complete-looking one.
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            await response.write_eof()
+            return response
+
+    handler.__name__ = f"relay_{route}"
+    return handler
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, refusing anything over `limit` bytes before reading it all."""
+    length = request.content_length
+    if length is not None:
+        if length > limit:
+            raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit} (max_body_size)")
+        try:
+            return await request.content.readexactly(length)
+        except asyncio.IncompleteReadError as exc:
+            raise BadRequest("the request body is shorter than its Content-Length") from exc
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes (max_body_size)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_responses(raw: bytes) -> ResponsesRequest:
+    try:
+        return REQUEST_DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        error = from_validation(exc)
+        if "unknown field" in error.message and error.param and "." not in error.param and "[" not in error.param:
+            error.message += "; vLLM sampling extras go in metadata.extra_body (a JSON string)"
+        raise error from exc
+
+
+def _decode_chat(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object")
+    try:
+        msgspec.convert(body, ChatRequestView)
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from exc
+    return body
+
+
+def _upstream_failure(proxy: Proxy, status: int, payload: bytes) -> web.Response | None:
+    """An upstream error: raise it, or answer the overflow; None means "reply empty with `length`"."""
+    if is_context_overflow(status, payload):
+        proxy.overflows += 1
+        if proxy.config.propagate_context_overflow_errors:
+            return web.Response(body=payload, status=status, content_type=JSON)
+        return None
+    error = _envelope(payload)
+    raise UpstreamStatus(
+        status,
+        upstream_message(payload) or f"the upstream answered HTTP {status}",
+        param=error.get("param") if isinstance(error.get("param"), str) else None,
+        type=error.get("type") if isinstance(error.get("type"), str) else None,
+    )
+
+
+def _envelope(payload: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return {}
+    if not isinstance(body, dict):
+        return {}
+    inner = body.get("error")
+    return inner if isinstance(inner, dict) else body
+
+
+def _fold_chat_reasoning(payload: bytes, *, parser: bool, continued: bool) -> bytes:
+    try:
+        reply = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamError(f"the upstream's chat completion is not valid JSON: {exc}") from exc
+    changed = False
+    for choice in reply.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if not reasoning:
+            continue
+        if not parser:
+            raise UpstreamError(NO_PARSER)
+        message.pop("reasoning_content", None)
+        message.pop("reasoning", None)
+        message["content"] = fold_reasoning(message.get("content"), reasoning, continued=continued)
+        changed = True
+    return orjson.dumps(reply) if changed else payload

@@ -1,0 +1,62 @@
+"""Mounting gymproxy: `setup(app, config, prefix=...)` into an existing aiohttp app, or `create_app(config)`.
+
+Each route is bound to its `Proxy` and wrapped in `openai_errors`, so gymproxy never adds
+app-wide middleware and several instances can live in one app under different prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
+
+from aiohttp import web
+
+from . import handlers
+from .config import Config
+from .errors import Handler, openai_errors
+from .state import Proxy
+
+PROXIES: Final = web.AppKey("gymproxy.proxies", list[Proxy])
+
+BoundHandler = Callable[[Proxy, web.Request], Awaitable[web.StreamResponse]]
+
+
+def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
+    """Install gymproxy's routes under `prefix` and open its upstream session with the app."""
+    if prefix and (not prefix.startswith("/") or prefix.endswith("/")):
+        raise ValueError(f"gymproxy.setup: prefix {prefix!r} must start with '/' and not end with one")
+    proxy = Proxy(config)
+
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        await proxy.start()
+        yield
+        await proxy.close()
+
+    app.cleanup_ctx.append(lifetime)
+    app.setdefault(PROXIES, []).append(proxy)
+
+    def bind(handler: BoundHandler) -> Handler:
+        async def bound(request: web.Request) -> web.StreamResponse:
+            return await handler(proxy, request)
+
+        bound.__name__ = handler.__name__
+        return openai_errors(bound)
+
+    app.router.add_routes(
+        [
+            web.post(f"{prefix}/v1/responses", bind(handlers.responses)),
+            web.post(f"{prefix}/v1/chat/completions", bind(handlers.chat_completions)),
+            web.post(f"{prefix}/v1/completions", bind(handlers.relay("completions"))),
+            web.post(f"{prefix}/tokenize", bind(handlers.relay("tokenize"))),
+            web.get(f"{prefix}/v1/models", bind(handlers.models)),
+            web.get(f"{prefix}/health", bind(handlers.health)),
+        ]
+    )
+    return proxy
+
+
+def create_app(config: Config) -> web.Application:
+    """A standalone app; it can also be mounted with `host.add_subapp("/llm", create_app(config))`."""
+    app = web.Application(client_max_size=config.max_body_size, handler_args={"max_field_size": 16384})
+    setup(app, config)
+    return app
