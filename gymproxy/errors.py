@@ -80,7 +80,7 @@ class UpstreamTimeout(UpstreamError):
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
-_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
 def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
@@ -89,7 +89,8 @@ def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
     if not isinstance(exc, msgspec.ValidationError):  # malformed JSON, not a schema mismatch
         return BadRequest(f"The request body is not valid JSON: {text}")
     match = _PATH.search(text)
-    path = prefix + match.group(1) if match else prefix.rstrip(".")
+    # msgspec writes a mapping's value as `[...]`: name the mapping itself.
+    path = (prefix + match.group(1)).replace("[...]", "") if match else prefix.rstrip(".")
     if match:
         text = text[: match.start()]
     unknown = _UNKNOWN.search(text)

@@ -7,6 +7,7 @@ whose message names the URL that failed, so a wrong `base_url` is obvious at onc
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from .errors import UpstreamError, UpstreamTimeout
 log = logging.getLogger("gymproxy")
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+LARGE_BODY = 1024 * 1024
 
 
 class Upstream:
@@ -79,10 +81,13 @@ class UpstreamPool:
         """Send one request; the response is released (and the connection closed if unread) on exit."""
         url = upstream.urls[route]
         headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
+        body: bytes | io.BytesIO | None = data
+        if data is not None and len(data) > LARGE_BODY:
+            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
         upstream.inflight += 1
         try:
             try:
-                response = await self.session.request(method, url, data=data, headers=headers)
+                response = await self.session.request(method, url, data=body, headers=headers)
             except asyncio.TimeoutError as exc:
                 raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
             except aiohttp.ClientError as exc:

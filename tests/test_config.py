@@ -1,0 +1,133 @@
+"""Config loading: both layouts, placeholders, unknown keys, every file in conf/, and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gymproxy.config import Config, ConfigError, build_config, load_config
+
+CONF = Path(__file__).parent.parent / "conf"
+NEMO = """
+policy_model:
+  responses_api_models:
+    vllm_model:
+      entrypoint: app.py
+      num_workers: 8
+      base_url: ${policy_base_url}
+      api_key: ${policy_api_key}
+      model: ${policy_model_name}
+      return_token_id_information: false
+      uses_reasoning_parser: true
+      uses_interleaved_reasoning: true
+      chat_template_kwargs: null
+      extra_body: null
+      default_headers: {}
+"""
+VALUES = {"policy_base_url": "http://vllm:8000/v1", "policy_api_key": "k", "policy_model_name": "Qwen/Qwen3-8B"}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    config = load_config(path, overrides=VALUES, environ={})
+    assert isinstance(config, Config)
+    assert config.base_url == ["http://vllm:8000/v1"]
+
+
+def test_nemo_layout_keeps_names_and_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, NEMO), overrides=VALUES, environ={})
+    assert config.name == "policy_model"
+    assert config.model == "Qwen/Qwen3-8B" and config.api_key == "k"
+    assert config.uses_reasoning_parser is True and config.uses_interleaved_reasoning is True
+    assert config.reasoning_field == "both"
+    assert config.num_workers == 8 and config.entrypoint == "app.py"
+    assert config.propagate_context_overflow_errors is False
+    assert config.sequential_reasoning_allowed is True
+
+
+def test_placeholders_come_from_set_then_environment(tmp_path: Path) -> None:
+    env = {**VALUES, "policy_model_name": "from-env"}
+    config = load_config(write(tmp_path, NEMO), overrides={"policy_model_name": "from-set"}, environ=env)
+    assert config.model == "from-set"
+    config = load_config(write(tmp_path, NEMO), environ=env)
+    assert config.model == "from-env"
+
+
+def test_unresolved_placeholder_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\$\{policy_api_key\}"):
+        load_config(write(tmp_path, NEMO), overrides={"policy_base_url": "http://x/v1", "policy_model_name": "m"}, environ={})
+
+
+def test_list_of_base_urls_from_a_placeholder(tmp_path: Path) -> None:
+    values = {**VALUES, "policy_base_url": "[http://a:1/v1, http://b:2/v1]"}
+    config = load_config(write(tmp_path, NEMO), overrides=values, environ={})
+    assert config.base_url == ["http://a:1/v1", "http://b:2/v1"]
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="raed"):
+        load_config(write(tmp_path, "base_url: http://x/v1\ntimeouts:\n  raed: 5\n"), environ={})
+    with pytest.raises(ConfigError, match="uses_reasoning_parsr"):
+        load_config(write(tmp_path, "base_url: http://x/v1\nuses_reasoning_parsr: true\n"), environ={})
+
+
+def test_several_servers_need_a_choice(tmp_path: Path) -> None:
+    text = NEMO + NEMO.replace("policy_model:", "judge_model:")
+    with pytest.raises(ConfigError, match="--server"):
+        load_config(write(tmp_path, text), overrides=VALUES, environ={})
+    assert load_config(write(tmp_path, text), overrides=VALUES, environ={}, server="judge_model").name == "judge_model"
+
+
+def test_set_overrides_a_key_and_converts_its_type(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, NEMO), overrides={**VALUES, "uses_reasoning_parser": "false", "port": "9001"}, environ={})
+    assert config.uses_reasoning_parser is False and config.port == 9001
+
+
+def test_reasoning_field_from_environment() -> None:
+    assert build_config({"base_url": "http://x/v1"}, environ={"NEMO_GYM_REASONING_FIELD": " reasoning "}).reasoning_field == "reasoning"
+    with pytest.raises(ConfigError, match="NEMO_GYM_REASONING_FIELD"):
+        build_config({"base_url": "http://x/v1"}, environ={"NEMO_GYM_REASONING_FIELD": "nope"})
+    with pytest.raises(ConfigError, match="reasoning_field"):
+        build_config({"base_url": "http://x/v1", "reasoning_field": "nope"}, environ={})
+
+
+@pytest.mark.parametrize(
+    "section, needle",
+    [
+        ({"base_url": []}, "base_url"),
+        ({"base_url": "vllm:8000/v1"}, "http://"),
+        ({"base_url": "http://x/v1", "endpoint_file": "/tmp/url"}, "endpoint_file"),
+        ({"base_url": "http://x/v1", "port": 70000}, "port"),
+        ({"base_url": "http://x/v1", "timeouts": {"connect": 0}}, "connect"),
+        ({}, "base_url"),
+    ],
+)
+def test_invalid_values(section: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        build_config(section, environ={})
+
+
+def test_cli_check_config(tmp_path: Path) -> None:
+    good = subprocess.run(
+        [sys.executable, "-m", "gymproxy", "check-config", str(CONF / "vllm_model.yaml"), *[f"--set={k}={v}" for k, v in VALUES.items()]],
+        capture_output=True,
+        text=True,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "http://vllm:8000/v1" in good.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "gymproxy", "check-config", str(write(tmp_path, "base_url: http://x/v1\nbogus: 1\n"))],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "bogus" in bad.stderr
