@@ -15,67 +15,113 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from .convert.boundary import Boundary, sequential_reasoning_blocked
+from .config import Config
+from .convert.boundary import sequential_reasoning_blocked
 from .convert.reply import NO_PARSER, empty_completion, fold_reasoning, to_response
 from .convert.request import to_chat_body
+from .convert.stream import ChatReasoningFolder, ResponsesStream
 from .errors import BadRequest, PayloadTooLarge, UpstreamError, UpstreamStatus, from_validation
 from .overflow import is_context_overflow, upstream_message
 from .schemas import ENCODER
 from .schemas.chat import COMPLETION_DECODER, ChatRequestView
 from .schemas.responses import REQUEST_DECODER, ResponsesRequest
 from .state import Proxy
+from .streaming import SSE_HEADERS, relay_chat, relay_responses, replay_chat, replay_responses
+from .upstream import Upstream
 
 JSON = "application/json"
 
 
 async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses`: convert to chat, call vLLM, convert the answer back."""
-    req = _decode_responses(await read_body(request, proxy.config.max_body_size))
-    if req.stream:
-        raise BadRequest("stream: true is not supported yet on /v1/responses", param="stream")
+    """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
-    body = proxy.boundary.prepare(to_chat_body(req, token_ids=config.return_token_id_information))
+    req = _decode_responses(await read_body(request, config.max_body_size))
+    body = to_chat_body(req, token_ids=config.return_token_id_information)
+    if req.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    body = proxy.boundary.prepare(body)
     continued = body.get("continue_final_message") is True
-    if not config.sequential_reasoning_allowed and sequential_reasoning_blocked(body):
-        payload = ENCODER.encode(empty_completion(config.model, "content_filter"))
-    else:
+    model = config.model or req.model
+    parser = config.uses_reasoning_parser
+    local = _local_answer(config, body)
+    if req.stream:
+        translator = ResponsesStream(req, model=model, parser=parser, continued=continued)
+        if local is None:
+            upstream = proxy.pool.pick()
+            async with proxy.pool.request(upstream, "chat", data=ENCODER.encode(body)) as up:
+                local = await _check_stream(proxy, upstream, up)
+                if local is None:
+                    return await relay_responses(request, up, upstream, translator, interval=config.stream_keepalive_s)
+        if isinstance(local, web.Response):
+            return local
+        return await replay_responses(request, translator, empty_completion(model, local), interval=config.stream_keepalive_s)
+    if local is None:
         upstream = proxy.pool.pick()
         status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
-        if status != 200:
-            overflow = _upstream_failure(proxy, status, payload)
-            if overflow is not None:
-                return overflow
-            payload = ENCODER.encode(empty_completion(config.model, "length"))
+        local = _check_reply(proxy, status, payload) if status != 200 else None
+    if isinstance(local, web.Response):
+        return local
+    if local is not None:
+        payload = ENCODER.encode(empty_completion(model, local))
     try:
         completion = COMPLETION_DECODER.decode(payload)
     except msgspec.DecodeError as exc:
         raise UpstreamError(f"the upstream's chat completion is not valid: {exc}") from exc
-    model = config.model or req.model
-    response = to_response(completion, req, model=model, parser=config.uses_reasoning_parser, continued=continued)
+    response = to_response(completion, req, model=model, parser=parser, continued=continued)
     return web.Response(body=ENCODER.encode(response), content_type=JSON)
 
 
 async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     """`POST /v1/chat/completions`: vLLM's own API, with the boundary rules and reasoning folding."""
     config = proxy.config
-    body = _decode_chat(await read_body(request, config.max_body_size))
-    if body.get("stream") is True:
-        raise BadRequest("stream: true is not supported yet on /v1/chat/completions", param="stream")
-    body = proxy.boundary.prepare(body)
+    body = proxy.boundary.prepare(_decode_chat(await read_body(request, config.max_body_size)))
     continued = body.get("continue_final_message") is True
+    model = body.get("model")
+    local = _local_answer(config, body)
+    if body.get("stream") is True:
+        if local is None:
+            upstream = proxy.pool.pick()
+            async with proxy.pool.request(upstream, "chat", data=ENCODER.encode(body)) as up:
+                local = await _check_stream(proxy, upstream, up)
+                if local is None:
+                    fold = ChatReasoningFolder(continued=continued) if config.uses_reasoning_parser else None
+                    return await relay_chat(
+                        request, up, upstream, fold=fold, parser=config.uses_reasoning_parser, interval=config.stream_keepalive_s
+                    )
+        if isinstance(local, web.Response):
+            return local
+        return await replay_chat(request, model, local, interval=config.stream_keepalive_s)
+    if local is None:
+        upstream = proxy.pool.pick()
+        status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
+        if status == 200:
+            # Most replies carry no reasoning field: their bytes go back untouched.
+            if b'"reasoning' in payload:
+                payload = _fold_chat_reasoning(payload, parser=config.uses_reasoning_parser, continued=continued)
+            return web.Response(body=payload, content_type=JSON)
+        local = _check_reply(proxy, status, payload)
+    if isinstance(local, web.Response):
+        return local
+    return web.Response(body=ENCODER.encode(empty_completion(model, local)), content_type=JSON)
+
+
+def _local_answer(config: Config, body: dict[str, Any]) -> str | None:
+    """`content_filter` when the sequential-reasoning guard answers without asking vLLM."""
     if not config.sequential_reasoning_allowed and sequential_reasoning_blocked(body):
-        return web.Response(body=ENCODER.encode(empty_completion(body.get("model"), "content_filter")), content_type=JSON)
-    upstream = proxy.pool.pick()
-    status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
-    if status != 200:
-        overflow = _upstream_failure(proxy, status, payload)
-        if overflow is not None:
-            return overflow
-        return web.Response(body=ENCODER.encode(empty_completion(body.get("model"), "length")), content_type=JSON)
-    # Most replies carry no reasoning field: their bytes go back untouched.
-    if b'"reasoning' in payload:
-        payload = _fold_chat_reasoning(payload, parser=config.uses_reasoning_parser, continued=continued)
-    return web.Response(body=payload, content_type=JSON)
+        return "content_filter"
+    return None
+
+
+async def _check_stream(proxy: Proxy, upstream: Upstream, up: aiohttp.ClientResponse) -> str | web.Response | None:
+    """None when `up` is a stream to relay; otherwise what `_check_reply` says about the error."""
+    if up.status == 200:
+        if up.content_type == "text/event-stream":
+            return None
+        raise UpstreamError(
+            f"the upstream {upstream.base_url} answered a streaming request with {up.content_type}, not an event stream"
+        )
+    return _check_reply(proxy, up.status, await proxy.pool.read(upstream, up))
 
 
 async def models(proxy: Proxy, request: web.Request) -> web.StreamResponse:
@@ -114,9 +160,6 @@ def relay(route: str) -> Any:
 
     handler.__name__ = f"relay_{route}"
     return handler
-
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -163,13 +206,14 @@ def _decode_chat(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _upstream_failure(proxy: Proxy, status: int, payload: bytes) -> web.Response | None:
-    """An upstream error: raise it, or answer the overflow; None means "reply empty with `length`"."""
+def _check_reply(proxy: Proxy, status: int, payload: bytes) -> str | web.Response:
+    """An upstream error status: "length" for a context overflow (or vLLM's own 400 when propagating);
+    any other error is raised with the upstream's status and message."""
     if is_context_overflow(status, payload):
         proxy.overflows += 1
         if proxy.config.propagate_context_overflow_errors:
             return web.Response(body=payload, status=status, content_type=JSON)
-        return None
+        return "length"
     error = _envelope(payload)
     raise UpstreamStatus(
         status,

@@ -71,12 +71,15 @@ def to_chat_body(req: ResponsesRequest, *, token_ids: bool = False) -> dict[str,
         value = getattr(req, name)
         if value is not None:
             body[name] = value
+    if req.stream_options is not None:
+        body["stream_options"] = {k: v for k, v in msgspec.structs.asdict(req.stream_options).items() if v is not None}
     if req.stream is False:
         body["stream"] = False
     return body
 
 
-# Request fields forwarded under the same name when sent (spec 5.1 step 10).
+# Request fields forwarded under the same name when sent (spec 5.1 step 10; `stream_options`,
+# `stream` and `parallel_tool_calls` are forwarded by their own rules).
 _PASSED = (
     "metadata",
     "temperature",

@@ -1,0 +1,436 @@
+"""Streaming conversions, sans-IO: chat chunks in, Responses events or rewritten chat chunks out.
+
+`ResponsesStream` turns vLLM's chat chunks into the Responses event protocol as they arrive and
+builds its terminal Response with `reply.to_response` from everything it saw, so the streamed
+result equals the non-streaming one. `ChatReasoningFolder` folds vLLM's separate reasoning deltas
+into `<think>` content on the chat stream. `ThinkSplitter` finds `<think>` tags that may straddle
+chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from ..errors import UpstreamError
+from ..schemas.chat import AssistantMessage, ChatChunk, ChatCompletion, Choice, FunctionCall, ToolCall, Usage
+from ..schemas.events import (
+    ArgumentsDelta,
+    ArgumentsDone,
+    ContentPartEvent,
+    Event,
+    ItemEvent,
+    RefusalDelta,
+    RefusalDone,
+    ResponseEvent,
+    SummaryDelta,
+    SummaryDone,
+    SummaryPartEvent,
+    TextDelta,
+    TextDone,
+    encode_event,
+)
+from ..schemas.responses import (
+    FunctionCallItem,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    Refusal,
+    Response,
+    ResponseError,
+    ResponsesRequest,
+    SummaryText,
+)
+from .reply import NO_PARSER, echo, new_id, to_response
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+class ThinkSplitter:
+    """Splits streamed text at `<think>`/`</think>`; a tag cut across two chunks is held back."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self._held = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """Pieces of ("text" | "think" | "think_start" | "think_end", text)."""
+        text = self._held + text
+        self._held = ""
+        pieces: list[tuple[str, str]] = []
+        while text:
+            tag = CLOSE if self.inside else OPEN
+            at = text.find(tag)
+            if at < 0:
+                keep = _partial_tag(text, tag)
+                if keep:
+                    self._held = text[-keep:]
+                    text = text[:-keep]
+                if text:
+                    pieces.append(("think" if self.inside else "text", text))
+                break
+            if at:
+                pieces.append(("think" if self.inside else "text", text[:at]))
+            self.inside = not self.inside
+            pieces.append(("think_start" if self.inside else "think_end", ""))
+            text = text[at + len(tag) :]
+        return pieces
+
+    def flush(self) -> list[tuple[str, str]]:
+        held, self._held = self._held, ""
+        return [("think" if self.inside else "text", held)] if held else []
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class _Call:
+    __slots__ = ("id", "name", "arguments", "output_index")
+
+    def __init__(self, call_id: str, name: str, output_index: int) -> None:
+        self.id = call_id
+        self.name = name
+        self.arguments: list[str] = []
+        self.output_index = output_index
+
+
+class ResponsesStream:
+    """Chat chunks in, Responses event frames out. Owns sequence numbers and item ids."""
+
+    def __init__(self, req: ResponsesRequest, *, model: str | None, parser: bool, continued: bool = False) -> None:
+        self.req = req
+        self.model = model
+        self.parser = parser
+        self.continued = continued
+        self.id = new_id("resp")
+        self.seq = 0
+        self.frames: list[bytes] = []
+        self.output_count = 0
+        self.kind: str | None = None  # the open item: "reasoning", "message", "call"
+        self.splitter = ThinkSplitter() if parser else None
+        # What the final Response is built from: the same fields a non-streamed reply carries.
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        self.calls: dict[int, _Call] = {}
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.created: float = 0
+        # The open reasoning / message item.
+        self.reasoning_id: str | None = None
+        self.reasoning_index = 0
+        self.summary_index = -1
+        self.summary: list[str] = []
+        self.summaries: list[str] = []
+        self.message_id: str | None = None
+        self.message_index = 0
+        self.text: list[str] = []
+        self.text_part = -1
+        self.refusal_part = -1
+        self.refusal_text: list[str] = []
+        self.open_call: _Call | None = None
+        self.reasoning_id_first: str | None = None
+        self.message_id_first: str | None = None
+
+    # --- public ------------------------------------------------------------------------
+
+    def start(self) -> bytes:
+        """`response.created` and `response.in_progress`."""
+        snapshot = self._snapshot("in_progress")
+        self._emit(ResponseEvent("response.created", 0, snapshot))
+        self._emit(ResponseEvent("response.in_progress", 0, snapshot))
+        return self._take()
+
+    def feed(self, chunk: ChatChunk) -> bytes:
+        """Events for one upstream chunk (often a single text delta)."""
+        if chunk.created and not self.created:
+            self.created = chunk.created
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.index != 0:
+                continue
+            delta = choice.delta
+            reasoning = delta.reasoning or delta.reasoning_content
+            if reasoning:
+                if not self.parser:
+                    raise UpstreamError(NO_PARSER)
+                if self.continued:  # a continued turn's reasoning is plain text (spec 7.1)
+                    self.content.append(reasoning)
+                    self._text(reasoning)
+                else:
+                    self.reasoning.append(reasoning)
+                    self._think(reasoning, new_block=not self.reasoning_id or self.kind != "reasoning")
+            if delta.content:
+                self.content.append(delta.content)
+                if self.splitter is None:
+                    self._text(delta.content)
+                else:
+                    self._split(self.splitter.feed(delta.content))
+            if delta.refusal:
+                self.refusal.append(delta.refusal)
+                self._refusal(delta.refusal)
+            if delta.tool_calls:
+                for call in delta.tool_calls:
+                    self._tool_call(call)
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+        return self._take()
+
+    def finish(self) -> tuple[bytes, Response]:
+        """Close every item and end with `response.completed` (or `.incomplete`)."""
+        if self.splitter is not None:
+            self._split(self.splitter.flush())
+        completion = ChatCompletion(
+            id="",
+            created=self.created or time.time(),
+            model=self.model,
+            choices=[Choice(message=self._message(), finish_reason=self.finish_reason)],
+            usage=self.usage,
+        )
+        final = to_response(completion, self.req, model=self.model, parser=self.parser, continued=self.continued)
+        final.id = self.id
+        if self.message_id_first is None and any(isinstance(i, MessageItem) for i in final.output):
+            self._open_message()  # an empty answer still gets its (empty) message item
+        self._close()
+        self._align_ids(final)
+        kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
+        self._emit(ResponseEvent(kind, 0, final))
+        return self._take(), final
+
+    def fail(self, message: str) -> bytes:
+        """End the stream with `response.failed` (after closing whatever was open)."""
+        self._close()
+        failed = self._snapshot("failed")
+        failed.error = ResponseError(code="server_error", message=message)
+        self._emit(ResponseEvent("response.failed", 0, failed))
+        return self._take()
+
+    # --- accumulation ------------------------------------------------------------------
+
+    def _message(self) -> AssistantMessage:
+        calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments="".join(c.arguments)))
+            for _, c in sorted(self.calls.items())
+        ]
+        content = "".join(self.content)
+        reasoning = "".join(self.reasoning)
+        return AssistantMessage(
+            content=content or None,
+            reasoning=reasoning or None,
+            refusal="".join(self.refusal) or None,
+            tool_calls=calls or None,
+        )
+
+    def _align_ids(self, final: Response) -> None:
+        """The final items keep the ids their streamed events used."""
+        for item in final.output:
+            if isinstance(item, ReasoningItem) and self.reasoning_id_first:
+                item.id = self.reasoning_id_first
+            elif isinstance(item, MessageItem) and self.message_id_first:
+                item.id = self.message_id_first
+
+    # --- items -------------------------------------------------------------------------
+
+    def _split(self, pieces: list[tuple[str, str]]) -> None:
+        for kind, text in pieces:
+            if kind == "text":
+                self._text(text)
+            elif kind == "think":
+                self._think(text, new_block=False)
+            elif kind == "think_start":
+                self._think("", new_block=True)
+
+    def _think(self, text: str, *, new_block: bool) -> None:
+        if self.kind != "reasoning":
+            self._close()
+            self.kind = "reasoning"
+            self.reasoning_id = new_id("rs")
+            self.reasoning_id_first = self.reasoning_id_first or self.reasoning_id
+            self.reasoning_index = self._next_index()
+            self.summary_index = -1
+            self.summaries = []
+            self._emit(ItemEvent("response.output_item.added", 0, self.reasoning_index, ReasoningItem(id=self.reasoning_id, summary=[])))
+            new_block = True
+        if new_block:
+            self._end_summary()
+            self.summary_index += 1
+            self.summary = []
+            self._emit(
+                SummaryPartEvent(
+                    "response.reasoning_summary_part.added", 0, self.reasoning_id, self.reasoning_index,
+                    self.summary_index, SummaryText(text=""),
+                )
+            )
+        if text:
+            self.summary.append(text)
+            self._emit(
+                SummaryDelta(
+                    "response.reasoning_summary_text.delta", 0, self.reasoning_id, self.reasoning_index,
+                    self.summary_index, text,
+                )
+            )
+
+    def _end_summary(self) -> None:
+        if self.summary_index < 0:
+            return
+        text = "".join(self.summary)
+        rid, index, part = self.reasoning_id, self.reasoning_index, self.summary_index
+        assert rid is not None
+        self._emit(SummaryDone("response.reasoning_summary_text.done", 0, rid, index, part, text))
+        self._emit(SummaryPartEvent("response.reasoning_summary_part.done", 0, rid, index, part, SummaryText(text=text)))
+        self.summaries.append(text)
+        self.summary = []
+
+    def _open_message(self) -> None:
+        self._close()
+        self.kind = "message"
+        self.message_id = new_id("msg")
+        self.message_id_first = self.message_id_first or self.message_id
+        self.message_index = self._next_index()
+        self.text = []
+        self.text_part = self.refusal_part = -1
+        self.refusal_text = []
+        item = MessageItem(id=self.message_id, content=[], status="in_progress")
+        self._emit(ItemEvent("response.output_item.added", 0, self.message_index, item))
+
+    def _text(self, text: str) -> None:
+        if not text:
+            return
+        if self.kind != "message":
+            self._open_message()
+        assert self.message_id is not None
+        if self.text_part < 0:
+            self.text_part = 1 if self.refusal_part >= 0 else 0
+            part = OutputText(text="")
+            self._emit(ContentPartEvent("response.content_part.added", 0, self.message_id, self.message_index, self.text_part, part))
+        self.text.append(text)
+        self._emit(TextDelta("response.output_text.delta", 0, self.message_id, self.message_index, self.text_part, text))
+
+    def _refusal(self, text: str) -> None:
+        if self.kind != "message":
+            self._open_message()
+        assert self.message_id is not None
+        if self.refusal_part < 0:
+            self.refusal_part = 1 if self.text_part >= 0 else 0
+            part = Refusal(refusal="")
+            self._emit(ContentPartEvent("response.content_part.added", 0, self.message_id, self.message_index, self.refusal_part, part))
+        self.refusal_text.append(text)
+        self._emit(RefusalDelta("response.refusal.delta", 0, self.message_id, self.message_index, self.refusal_part, text))
+
+    def _tool_call(self, fragment: dict[str, Any]) -> None:
+        index = fragment.get("index", 0)
+        function = fragment.get("function") or {}
+        call = self.calls.get(index)
+        if call is None:
+            self._close()
+            call = _Call(fragment.get("id") or new_id("call"), function.get("name") or "", self._next_index())
+            self.calls[index] = call
+            self.kind = "call"
+            self.open_call = call
+            item = FunctionCallItem(arguments="", call_id=call.id, name=call.name, id=call.id, status="in_progress")
+            self._emit(ItemEvent("response.output_item.added", 0, call.output_index, item))
+        elif function.get("name") and not call.name:
+            call.name = function["name"]
+        arguments = function.get("arguments")
+        if arguments:
+            call.arguments.append(arguments)
+            self._emit(ArgumentsDelta("response.function_call_arguments.delta", 0, call.id, call.output_index, arguments))
+
+    def _close(self) -> None:
+        """Emit the `.done` events of the open item."""
+        kind, self.kind = self.kind, None
+        if kind == "reasoning":
+            assert self.reasoning_id is not None
+            self._end_summary()
+            item = ReasoningItem(id=self.reasoning_id, summary=[SummaryText(text=t) for t in self.summaries])
+            self._emit(ItemEvent("response.output_item.done", 0, self.reasoning_index, item))
+        elif kind == "message":
+            assert self.message_id is not None
+            mid, index = self.message_id, self.message_index
+            parts: list[OutputText | Refusal] = []
+            text = "".join(self.text)
+            if self.text_part < 0:  # an empty answer still has one (empty) output_text
+                self.text_part = 1 if self.refusal_part >= 0 else 0
+                self._emit(ContentPartEvent("response.content_part.added", 0, mid, index, self.text_part, OutputText(text="")))
+            self._emit(TextDone("response.output_text.done", 0, mid, index, self.text_part, text))
+            self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.text_part, OutputText(text=text)))
+            parts.append(OutputText(text=text))
+            if self.refusal_part >= 0:
+                refusal = "".join(self.refusal_text)
+                self._emit(RefusalDone("response.refusal.done", 0, mid, index, self.refusal_part, refusal))
+                self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.refusal_part, Refusal(refusal=refusal)))
+                parts.append(Refusal(refusal=refusal))
+            self._emit(ItemEvent("response.output_item.done", 0, index, MessageItem(id=mid, content=parts)))
+        elif kind == "call":
+            call = self.open_call
+            assert call is not None
+            arguments = "".join(call.arguments)
+            self._emit(ArgumentsDone("response.function_call_arguments.done", 0, call.id, call.output_index, call.name, arguments))
+            item = FunctionCallItem(arguments=arguments, call_id=call.id, name=call.name, id=call.id)
+            self._emit(ItemEvent("response.output_item.done", 0, call.output_index, item))
+
+    # --- plumbing ----------------------------------------------------------------------
+
+    def _next_index(self) -> int:
+        self.output_count += 1
+        return self.output_count - 1
+
+    def _snapshot(self, status: str) -> Response:
+        return Response(id=self.id, created_at=time.time(), model=self.model, output=[], status=status, **echo(self.req))
+
+    def _emit(self, event: Event) -> None:
+        event.sequence_number = self.seq  # type: ignore[attr-defined]
+        self.seq += 1
+        self.frames.append(encode_event(event))
+
+    def _take(self) -> bytes:
+        frames, self.frames = self.frames, []
+        return b"".join(frames)
+
+
+class ChatReasoningFolder:
+    """Rewrites chat chunks so reasoning deltas arrive as `<think>...</think>` content (spec 7.1)."""
+
+    def __init__(self, *, continued: bool) -> None:
+        self.continued = continued
+        self.open: set[int] = set()  # choice indexes inside an unclosed <think>
+
+    def needed(self, payload: bytes) -> bool:
+        return bool(self.open) or b'"reasoning' in payload
+
+    def fold(self, payload: bytes) -> bytes:
+        chunk = orjson.loads(payload)
+        changed = False
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                continue
+            index = choice.get("index", 0)
+            reasoning = delta.pop("reasoning_content", None) or delta.pop("reasoning", None)
+            delta.pop("reasoning", None)
+            content = delta.get("content") or ""
+            if reasoning:
+                changed = True
+                if self.continued:
+                    delta["content"] = reasoning + content
+                    continue
+                prefix = "" if index in self.open else OPEN
+                self.open.add(index)
+                if content:  # reasoning and answer in one delta: close right away
+                    self.open.discard(index)
+                    delta["content"] = prefix + reasoning + CLOSE + content
+                else:
+                    delta["content"] = prefix + reasoning
+            elif index in self.open and (content or delta.get("tool_calls") or choice.get("finish_reason") is not None):
+                self.open.discard(index)
+                delta["content"] = CLOSE + content
+                changed = True
+        return orjson.dumps(chunk) if changed else payload

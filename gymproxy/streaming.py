@@ -1,0 +1,225 @@
+"""Streaming I/O: relay vLLM's chat SSE to the client chunk by chunk, as chat or as Responses events.
+
+Every upstream read is written to the client before the next read starts; nothing is buffered
+beyond one SSE frame. Before the response is prepared an error is raised as usual; after it,
+the stream ends with a terminal event (`response.failed`, or an `error` chunk plus `[DONE]`).
+If the client goes away, the upstream response is closed at once, which makes vLLM abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from .convert.reply import NO_PARSER, empty_completion
+from .convert.stream import ChatReasoningFolder, ResponsesStream
+from .errors import GymproxyError, UpstreamError
+from .schemas import ENCODER
+from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
+from .schemas.responses import ResponsesRequest
+from .sse import DONE, SSEDecoder, SSEError
+from .upstream import Upstream
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_FRAME = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"
+
+# Upstream troubles after the status line: the stream is ended with an error event.
+READ_ERRORS = (asyncio.TimeoutError, aiohttp.ClientError, SSEError, msgspec.DecodeError, UpstreamError)
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream."""
+
+
+class SSEWriter:
+    """A prepared event-stream response that sends `: keep-alive` while the upstream is silent."""
+
+    def __init__(self, response: web.StreamResponse, interval: float) -> None:
+        self.response = response
+        self.interval = interval
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+        self._timer = self.loop.call_later(interval, self._tick)
+        self._pending: asyncio.Future[Any] | None = None
+
+    async def write(self, data: bytes) -> None:
+        self.last = self.loop.time()
+        try:
+            await self.response.write(data)
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+            raise ClientGone from exc
+
+    def _tick(self) -> None:
+        idle = self.loop.time() - self.last
+        if idle >= self.interval and (self._pending is None or self._pending.done()):
+            self.last = self.loop.time()
+            self._pending = asyncio.ensure_future(self._keepalive())
+            idle = 0
+        self._timer = self.loop.call_later(self.interval - idle, self._tick)
+
+    async def _keepalive(self) -> None:
+        try:
+            await self.response.write(KEEPALIVE)
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone; the relay loop finds out on its next write
+
+    def stop(self) -> None:
+        self._timer.cancel()
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
+    async def close(self) -> None:
+        self.stop()
+        await self.response.write_eof()
+
+
+async def open_stream(request: web.Request, interval: float) -> SSEWriter:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    return SSEWriter(response, interval)
+
+
+async def relay_chat(
+    request: web.Request,
+    up: aiohttp.ClientResponse,
+    upstream: Upstream,
+    *,
+    fold: ChatReasoningFolder | None,
+    parser: bool,
+    interval: float,
+) -> web.StreamResponse:
+    """vLLM's chat stream to the client: each frame as it arrives, reasoning folded when asked."""
+    writer = await open_stream(request, interval)
+    decoder = SSEDecoder()
+    done = False
+    failure: str | None = None
+    out: list[bytes] = []
+    try:
+        async for data in up.content.iter_any():
+            for payload in decoder.feed(data):
+                if payload == DONE:
+                    done = True
+                    continue
+                chunk = CHUNK_DECODER.decode(payload)  # a chunk that is not JSON ends the stream
+                if chunk.error is not None:
+                    out.append(b"data: " + payload + b"\n\n")  # vLLM's own in-stream error
+                    done = True
+                    continue
+                if fold is not None and fold.needed(payload):
+                    payload = fold.fold(payload)
+                elif not parser and any(c.delta.reasoning or c.delta.reasoning_content for c in chunk.choices):
+                    raise UpstreamError(NO_PARSER)
+                out.append(b"data: " + payload + b"\n\n")
+            if out:
+                frames, out = b"".join(out), []
+                await writer.write(frames)
+        if not done:
+            failure = f"the upstream {upstream.base_url} ended the stream without [DONE]"
+    except ClientGone:
+        return _gone(up, writer)
+    except READ_ERRORS as exc:
+        failure = f"the upstream {upstream.base_url} failed mid-stream: {_describe(exc)}"
+    if failure is not None:
+        up.close()
+        error = {"error": {"message": failure, "type": "upstream_error", "param": None, "code": 502}}
+        out.append(b"data: " + ENCODER.encode(error) + b"\n\n")
+    out.append(DONE_FRAME)
+    return await _end(up, writer, b"".join(out))
+
+
+async def relay_responses(
+    request: web.Request,
+    up: aiohttp.ClientResponse,
+    upstream: Upstream,
+    translator: ResponsesStream,
+    *,
+    interval: float,
+) -> web.StreamResponse:
+    """vLLM's chat stream to the client as Responses events."""
+    writer = await open_stream(request, interval)
+    decoder = SSEDecoder()
+    done = False
+    out: list[bytes] = []
+    try:
+        await writer.write(translator.start())
+        async for data in up.content.iter_any():
+            for payload in decoder.feed(data):
+                if payload == DONE:
+                    done = True
+                    continue
+                chunk = CHUNK_DECODER.decode(payload)
+                if chunk.error is not None:
+                    raise UpstreamError(_chunk_error(chunk))
+                out.append(translator.feed(chunk))
+            if out:
+                frames, out = b"".join(out), []
+                await writer.write(frames)
+        if not done:
+            raise UpstreamError("the stream ended without [DONE]")
+        tail, _ = translator.finish()
+    except ClientGone:
+        return _gone(up, writer)
+    except READ_ERRORS as exc:
+        up.close()
+        tail = translator.fail(f"the upstream {upstream.base_url} failed mid-stream: {_describe(exc)}")
+    out.append(tail)
+    return await _end(up, writer, b"".join(out))
+
+
+def _gone(up: aiohttp.ClientResponse, writer: SSEWriter) -> web.StreamResponse:
+    """The client went away: close the upstream connection at once so vLLM aborts the generation."""
+    up.close()
+    writer.stop()
+    return writer.response
+
+
+async def _end(up: aiohttp.ClientResponse, writer: SSEWriter, tail: bytes) -> web.StreamResponse:
+    try:
+        await writer.write(tail)
+        await writer.close()
+    except (ClientGone, ConnectionError):
+        return _gone(up, writer)
+    return writer.response
+
+
+async def replay_responses(request: web.Request, translator: ResponsesStream, completion_body: dict[str, Any], *, interval: float) -> web.StreamResponse:
+    """A proper event stream for an answer made locally (context overflow, blocked turn)."""
+    choice = completion_body["choices"][0]
+    writer = await open_stream(request, interval)
+    frames = translator.start()
+    frames += translator.feed(ChatChunk(created=completion_body["created"], choices=[ChunkChoice(finish_reason=choice["finish_reason"])]))
+    tail, _ = translator.finish()
+    await writer.write(frames + tail)
+    await writer.close()
+    return writer.response
+
+
+async def replay_chat(request: web.Request, model: str | None, finish_reason: str, *, interval: float) -> web.StreamResponse:
+    """The chat stream of a local empty answer: a role chunk, a finish chunk, `[DONE]`."""
+    body = empty_completion(model, finish_reason)
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": model}
+    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    last = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}
+    writer = await open_stream(request, interval)
+    await writer.write(b"data: " + ENCODER.encode(first) + b"\n\ndata: " + ENCODER.encode(last) + b"\n\n" + DONE_FRAME)
+    await writer.close()
+    return writer.response
+
+
+def _chunk_error(chunk: ChatChunk) -> str:
+    error = chunk.error
+    if isinstance(error, dict):
+        return f"the upstream reported an error mid-stream: {error.get('message') or error}"
+    return f"the upstream reported an error mid-stream: {error}"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, GymproxyError):
+        return exc.message
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
