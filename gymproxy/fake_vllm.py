@@ -1,0 +1,570 @@
+"""A fake vLLM OpenAI-compatible server: the test-suite's upstream and the demo upstream of `gymproxy serve`.
+
+It speaks vLLM 0.32's wire format (spec/wire-facts.md §0, A.1-A.7): chat and text completions,
+streamed or not, token ids and logprobs, `/tokenize`, `/v1/models`, `/health` and vLLM's error
+envelopes. Each generation request pops one queued `Script`. With the queue empty, the reply comes
+from the request: `"echo: <last user text>"`, or a call to the first function tool when tools are
+offered. Directives in the last user text force a case: `[[overflow]]` (the context-length 400),
+`[[reason]]` (adds reasoning) and `[[error:<status>]]` (that status, in vLLM's error envelope).
+
+The tokenizer is crude but deterministic: one token per word, counting the whitespace before it,
+with id = crc32(piece) mod 50000. Every id the fake reports (prompt ids, `/tokenize`, generated ids
+and logprob tokens) comes from that one function, so they all agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import collections
+import functools
+import itertools
+import re
+import socket
+import struct
+import time
+import uuid
+import zlib
+from typing import Any, Final, NamedTuple
+
+import msgspec
+import orjson
+from aiohttp import web
+
+Json = dict[str, Any]
+Frames = tuple[list[bytes], list[bytes], list[bytes]]  # head, body (cut by fail_mid_stream), tail
+
+SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE: Final = b"data: [DONE]\n\n"
+VOCAB_SIZE: Final = 50_000
+POLL_SECONDS: Final = 0.02
+GENERATION_PATHS: Final = ("/v1/chat/completions", "/v1/completions")
+FAILURE_MODES: Final = ("reset", "truncate", "bad_json", "error")
+COMPLETIONS_MAX_TOKENS: Final = 16  # vLLM's default for /v1/completions; chat has none
+
+_PIECE: Final = re.compile(r"\s*\S+(?:\s+\Z)?|\s+")  # trailing whitespace joins the last word
+_ERROR_DIRECTIVE: Final = re.compile(r"\[\[error:(\d{3})\]\]")
+
+
+class Script(msgspec.Struct, kw_only=True):
+    """One scripted upstream reply; unset fields fall back to a reply derived from the request.
+
+    `chunk_delay` also delays a non-streamed reply, by the delay times the number of deltas, and
+    `choice_extra`/`top_extra` land on the finish chunk of a stream.
+    """
+
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_key: str = "reasoning"
+    tool_calls: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+    status: int = 200
+    error_message: str | None = None
+    error_body: bytes | None = None
+    usage: dict[str, Any] | None = None
+    chunk_delay: float = 0.0
+    pieces: int | None = None
+    message_extra: dict[str, Any] | None = None
+    choice_extra: dict[str, Any] | None = None
+    top_extra: dict[str, Any] | None = None
+    fail_mid_stream: str | None = None
+    hang: bool = False
+
+
+class SeenRequest(msgspec.Struct):
+    """A request as the fake received it."""
+
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    json: Any
+
+
+class Rejection(Exception):
+    """A request refused before generation: plain JSON, even when a stream was asked for."""
+
+    def __init__(self, status: int, message: str, *, kind: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(status, message, kind=kind, param=param)
+
+    def response(self) -> web.Response:
+        return _json_response(self.body, status=self.status)
+
+
+def error_body(status: int, message: str, *, kind: str | None = None, param: str | None = None) -> bytes:
+    """vLLM's nested error envelope (>= 0.10.1)."""
+    if kind is None:
+        named = {404: "NotFoundError", 501: "NotImplementedError"}
+        kind = named.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def pieces(text: str) -> list[str]:
+    """Split `text` into tokens; joining them gives `text` back."""
+    return _PIECE.findall(text)
+
+
+def token_id(piece: str) -> int:
+    """The fake vocabulary: a stable id for any piece."""
+    return zlib.crc32(piece.encode()) % VOCAB_SIZE
+
+
+def chat_prompt_pieces(messages: list[Any]) -> list[str]:
+    """The prompt tokens of a chat request: the tokens of every message's text, in order."""
+    return [p for m in messages for p in pieces(_text(m.get("content") if isinstance(m, dict) else None))]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    return ""
+
+
+def _logprob(tid: int) -> float:
+    return -((tid % 997) + 1) / 1000
+
+
+def _json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def _split(text: str, parts: int | None) -> list[tuple[str, list[str]]]:
+    """Cut `text` into deltas, each with the tokens that end inside it (by default one token each)."""
+    toks = pieces(text)
+    if parts is None or not text:
+        return [(tok, [tok]) for tok in toks]
+    parts = max(1, min(parts, len(text)))
+    bounds = [len(text) * i // parts for i in range(parts + 1)]
+    owned: list[list[str]] = [[] for _ in range(parts)]
+    end = 0
+    for tok in toks:
+        end += len(tok)
+        owned[bisect.bisect_right(bounds, end - 1) - 1].append(tok)
+    return [(text[a:b], own) for a, b, own in zip(bounds[:-1], bounds[1:], owned, strict=True)]
+
+
+def _fit(script: Script, budget: int) -> Script:
+    """Cut reasoning, then content, to `budget` tokens; tool calls survive only in whole replies."""
+    reasoning, content = pieces(script.reasoning or ""), pieces(script.content or "")
+    calls = script.tool_calls or []
+    if len(reasoning) + len(content) + sum(1 + len(pieces(c["arguments"])) for c in calls) <= budget:
+        return script
+    return msgspec.structs.replace(
+        script,
+        reasoning=None if script.reasoning is None else "".join(reasoning[:budget]),
+        content=None if script.content is None else "".join(content[: max(0, budget - len(reasoning))]),
+        tool_calls=None,
+        finish_reason="length",
+    )
+
+
+class _Step(NamedTuple):
+    delta: Json  # a chat delta; a text completion streams its "content"
+    tokens: list[str]
+
+
+def _chat_steps(script: Script) -> list[_Step]:
+    steps = [
+        _Step({key: part}, toks)
+        for key, text in ((script.reasoning_key, script.reasoning), ("content", script.content))
+        for part, toks in _split(text or "", script.pieces)
+    ]
+    for index, call in enumerate(script.tool_calls or []):
+        first, *rest = pieces(call["arguments"]) or [""]
+        function = {"name": call["name"], "arguments": first}
+        head = {"index": index, "id": call["id"], "type": "function", "function": function}
+        steps.append(_Step({"tool_calls": [head]}, [call["name"], first] if first else [call["name"]]))
+        for frag in rest:
+            steps.append(_Step({"tool_calls": [{"index": index, "function": {"arguments": frag}}]}, [frag]))
+    return steps
+
+
+class _Turn(NamedTuple):
+    """One generation: what the request asked for, and the resolved reply."""
+
+    id: str
+    created: int
+    model: str
+    prompt_ids: list[int]
+    script: Script  # content filled in, tool call ids set, cut to the token budget
+    steps: list[_Step]
+    return_ids: bool
+    logprobs: bool
+    as_ids: bool
+    top: int
+    include_usage: bool
+
+    def tokens(self) -> list[str]:
+        return [tok for step in self.steps for tok in step.tokens]
+
+    def ids(self, toks: list[str]) -> list[int] | None:
+        return [token_id(tok) for tok in toks] if self.return_ids else None
+
+    def prompt_token_ids(self) -> list[int] | None:
+        return self.prompt_ids if self.return_ids else None
+
+    def usage(self, *, stream: bool) -> Json:
+        if self.script.usage is not None:
+            return self.script.usage
+        n, m = len(self.prompt_ids), len(self.tokens())
+        usage: Json = {"prompt_tokens": n, "total_tokens": n + m, "completion_tokens": m}
+        # vLLM dumps the stream's usage chunk with exclude_none, so the null field goes there.
+        return usage if stream else {**usage, "prompt_tokens_details": None}
+
+    def token_name(self, tok: str) -> str:
+        return f"token_id:{token_id(tok)}" if self.as_ids else tok
+
+    def chat_logprobs(self, toks: list[str]) -> Json | None:
+        if not self.logprobs:
+            return None
+        entries = [dict(token=self.token_name(t), logprob=_logprob(token_id(t)), bytes=list(t.encode())) for t in toks]
+        return {"content": [dict(e, top_logprobs=[e] if self.top else []) for e in entries]}
+
+    def text_logprobs(self, toks: list[str], offset: int) -> Json | None:
+        if not self.logprobs:
+            return None
+        return dict(
+            text_offset=list(itertools.accumulate([offset, *map(len, toks)]))[:-1],
+            token_logprobs=[_logprob(token_id(tok)) for tok in toks],
+            tokens=[self.token_name(tok) for tok in toks],
+            top_logprobs=[{self.token_name(tok): _logprob(token_id(tok))} for tok in toks],
+        )
+
+    def envelope(self, obj: str, **fields: Any) -> Json:
+        return dict(id=self.id, object=obj, created=self.created, model=self.model, **fields)
+
+
+def _chat_body(t: _Turn) -> Json:
+    s, toks = t.script, t.tokens()
+    calls = [
+        dict(id=c["id"], type="function", function=dict(name=c["name"], arguments=c["arguments"]))
+        for c in s.tool_calls or []
+    ]
+    message: Json = dict(role="assistant", content=s.content, refusal=None, annotations=None, audio=None)
+    message.update(function_call=None, tool_calls=calls, **{s.reasoning_key: s.reasoning}, **(s.message_extra or {}))
+    choice = dict(index=0, message=message, logprobs=t.chat_logprobs(toks), finish_reason=s.finish_reason)
+    choice.update(stop_reason=None, token_ids=t.ids(toks), **(s.choice_extra or {}))
+    return t.envelope(
+        "chat.completion", choices=[choice], service_tier=None, system_fingerprint=None,
+        usage=t.usage(stream=False), prompt_logprobs=None, prompt_token_ids=t.prompt_token_ids(),
+        kv_transfer_params=None, **(s.top_extra or {}),
+    )  # fmt: skip
+
+
+def _text_body(t: _Turn) -> Json:
+    s, toks = t.script, t.tokens()
+    choice = dict(index=0, text=s.content or "", logprobs=t.text_logprobs(toks, 0), finish_reason=s.finish_reason)
+    choice.update(stop_reason=None, token_ids=t.ids(toks), prompt_logprobs=None)
+    choice.update(prompt_token_ids=t.prompt_token_ids(), **(s.choice_extra or {}))
+    return t.envelope(
+        "text_completion", choices=[choice], service_tier=None, system_fingerprint=None,
+        usage=t.usage(stream=False), kv_transfer_params=None, **(s.top_extra or {}),
+    )  # fmt: skip
+
+
+def _frame(obj: Json) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _frames(t: _Turn, obj: str, head: list[bytes], choices: list[Json], finish: Json, **base: Any) -> Frames:
+    """Frame the delta choices; vLLM puts `length` on the last delta, but a stop (EOS) in a chunk of its own."""
+    if t.script.finish_reason != "length" or not choices:
+        choices.append(finish)
+    choices[-1].update(finish_reason=t.script.finish_reason, stop_reason=None, **(t.script.choice_extra or {}))
+    body = [_frame(t.envelope(obj, choices=[c], **base)) for c in choices[:-1]]
+    body.append(_frame(t.envelope(obj, choices=choices[-1:], **base, **(t.script.top_extra or {}))))
+    usage = [_frame(t.envelope(obj, choices=[], usage=t.usage(stream=True)))] if t.include_usage else []
+    return head, body, [*usage, DONE]
+
+
+def _chat_frames(t: _Turn) -> Frames:
+    role = dict(index=0, delta={"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
+    head = [_frame(t.envelope("chat.completion.chunk", choices=[role], prompt_token_ids=t.prompt_token_ids()))]
+    choices = [
+        dict(index=0, delta=s.delta, logprobs=t.chat_logprobs(s.tokens), finish_reason=None, token_ids=t.ids(s.tokens))
+        for s in t.steps
+    ]
+    finish = dict(index=0, delta={}, logprobs=t.chat_logprobs([]), finish_reason=None, token_ids=t.ids([]))
+    return _frames(t, "chat.completion.chunk", head, choices, finish)
+
+
+def _text_frames(t: _Turn) -> Frames:
+    choices, offset = [], 0
+    for s in [*t.steps, _Step({}, [])]:  # the last one is the EOS chunk, used for a stop
+        text = s.delta.get("content", "")
+        choices.append(dict(index=0, text=text, logprobs=t.text_logprobs(s.tokens, offset), finish_reason=None))
+        choices[-1].update(stop_reason=None, prompt_token_ids=None, token_ids=t.ids(s.tokens))
+        offset += len(text)
+    choices[0]["prompt_token_ids"] = t.prompt_token_ids()
+    return _frames(t, "text_completion", [], choices[:-1], choices[-1], usage=None)
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _reset(request: web.Request) -> None:
+    """Drop the connection with a TCP RST rather than a FIN."""
+    if (transport := request.transport) is None:
+        return
+    if (sock := transport.get_extra_info("socket")) is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class FakeVLLM:
+    """An in-process vLLM stand-in that records what it is sent and replies as scripted."""
+
+    url: str = ""
+
+    def __init__(self, *, model: str = "fake-model", max_model_len: int = 4096) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.requests: list[SeenRequest] = []
+        self.disconnects: list[float] = []
+        self._scripts: collections.deque[Script] = collections.deque()
+        self.app = web.Application(client_max_size=64 * 1024**2)
+        self.app.router.add_post("/v1/chat/completions", functools.partial(self._generate, chat=True))
+        self.app.router.add_post("/v1/completions", functools.partial(self._generate, chat=False))
+        self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/health", self._health)
+
+    def push(self, *scripts: Script) -> None:
+        """Queue replies; each generation request pops one."""
+        self._scripts.extend(scripts)
+
+    def last_json(self) -> Any:
+        """The decoded body of the last generation request."""
+        for seen in reversed(self.requests):
+            if seen.path in GENERATION_PATHS:
+                return seen.json
+        raise LookupError("the fake vLLM has not received a generation request yet")
+
+    async def _record(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError as exc:
+            self.requests.append(SeenRequest(request.path, dict(request.headers), raw, None))
+            raise Rejection(400, f"JSON decode error: {exc}", kind="Bad Request") from exc
+        self.requests.append(SeenRequest(request.path, dict(request.headers), raw, body))
+        if request.method == "POST" and not isinstance(body, dict):
+            raise Rejection(400, "Input should be a valid dictionary", kind="Bad Request")
+        return body
+
+    def _lost(self) -> None:
+        self.disconnects.append(time.monotonic())
+
+    async def _idle(self, request: web.Request, seconds: float | None) -> bool:
+        """Sleep `seconds` (None: forever) while the client stays; once it has gone, record it and return False."""
+        # Polling, because a server without handler_cancellation never cancels this handler.
+        end = None if seconds is None else time.monotonic() + seconds
+        while not _gone(request):
+            left = POLL_SECONDS if end is None else min(POLL_SECONDS, end - time.monotonic())
+            if left <= 0:
+                return True
+            await asyncio.sleep(left)
+        self._lost()
+        return False
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._record(request)
+            prompt_ids, text = self._prompt(body, chat=chat)
+            script = self._scripts.popleft() if self._scripts else self._default(body, text, len(prompt_ids))
+            return await self._reply(request, body, script, prompt_ids, text, chat=chat)
+        except Rejection as exc:
+            return exc.response()
+        except asyncio.CancelledError:  # with handler_cancellation, a client that leaves cancels us
+            self._lost()
+            raise
+
+    def _prompt(self, body: Json, *, chat: bool) -> tuple[list[int], str]:
+        """The prompt's token ids, and the text a default reply echoes."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise Rejection(400, "messages: Field required", kind="Bad Request")
+            users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            return [token_id(p) for p in chat_prompt_pieces(messages)], _text(users[-1] if users else None)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
+            return prompt, ""
+        if isinstance(prompt, list) and prompt:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise Rejection(400, "Either prompt or prompt_embeds must be provided and non-empty.")
+        return [token_id(p) for p in pieces(prompt)], prompt
+
+    def _overflow(self, n: int) -> Rejection:
+        limit = self.max_model_len
+        return Rejection(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt contains at least {n} "
+            "input tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
+            f"the input prompt. (parameter=input_tokens, value={n})",
+            param="input_tokens",
+        )
+
+    def _budget(self, body: Json, n: int, default: int | None) -> int:
+        """How many tokens may be generated; raises vLLM 0.32's validation errors."""
+        limit = self.max_model_len
+        asked = body.get("max_completion_tokens")
+        if asked is None:
+            asked = body.get("max_tokens", default)
+        if asked is not None and asked > limit:
+            message = f"max_tokens={asked} cannot be greater than max_model_len={limit}."
+            message += f" Please request fewer output tokens. (parameter=max_tokens, value={asked})"
+            raise Rejection(400, message, param="max_tokens")
+        if n > limit:
+            raise self._overflow(n)
+        if n == limit:
+            raise Rejection(400, "max_tokens must be at least 1, got 0", param="max_tokens")
+        # As on 0.32, a prompt plus max_tokens over the limit is no error: max_tokens shrinks to fit.
+        return min(limit - n, limit if asked is None else asked)
+
+    def _default(self, body: Json, text: str, n: int) -> Script:
+        """The reply for an empty queue, steered by directives in the last user text."""
+        if "[[overflow]]" in text:
+            raise self._overflow(max(n, self.max_model_len + 1))
+        if match := _ERROR_DIRECTIVE.search(text):
+            return Script(status=int(match[1]), error_message=f"fake vLLM: injected error {match[1]}")
+        script = Script(reasoning="thinking about it" if "[[reason]]" in text else None)
+        tools = [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
+        choice = body.get("tool_choice")
+        last = (body.get("messages") or [{}])[-1]
+        if tools and choice != "none" and isinstance(last, dict) and last.get("role") == "user":
+            named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+            script.tool_calls = [{"name": named or tools[0]["name"], "arguments": "{}"}]
+        return script
+
+    async def _reply(
+        self, request: web.Request, body: Json, script: Script, prompt_ids: list[int], text: str, *, chat: bool
+    ) -> web.StreamResponse:
+        if script.hang:
+            await self._idle(request, None)
+            return web.Response()
+        if script.status != 200:
+            message = script.error_message or f"fake vLLM: scripted error {script.status}"
+            return _json_response(script.error_body or error_body(script.status, message), status=script.status)
+        budget = self._budget(body, len(prompt_ids), None if chat else COMPLETIONS_MAX_TOKENS)
+        turn = self._turn(body, script, prompt_ids, text, budget, chat=chat)
+        if body.get("stream"):
+            return await self._stream(request, _chat_frames(turn) if chat else _text_frames(turn), turn.script)
+        if script.chunk_delay and not await self._idle(request, script.chunk_delay * len(turn.steps)):
+            return web.Response()
+        return _json_response(orjson.dumps(_chat_body(turn) if chat else _text_body(turn)))
+
+    def _turn(self, body: Json, script: Script, prompt_ids: list[int], text: str, budget: int, *, chat: bool) -> _Turn:
+        calls = script.tool_calls if chat else None
+        if script.content is None and not calls:
+            script = msgspec.structs.replace(script, content="echo: " + text)
+        calls = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "arguments": "", **c} for c in calls or []]
+        script = msgspec.structs.replace(script, tool_calls=calls or None, reasoning=script.reasoning if chat else None)
+        script = _fit(script, budget)
+        script.finish_reason = script.finish_reason or ("tool_calls" if script.tool_calls else "stop")
+        steps = _chat_steps(script)
+        options, logprobs = body.get("stream_options"), body.get("logprobs")
+        return _Turn(
+            id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=body.get("model") or self.model,
+            prompt_ids=prompt_ids,
+            script=script,
+            steps=steps,
+            return_ids=bool(body.get("return_token_ids")),
+            logprobs=bool(logprobs) if chat else logprobs is not None,
+            as_ids=bool(body.get("return_tokens_as_token_ids")),
+            top=(body.get("top_logprobs") if chat else logprobs) or 0,
+            # vLLM's StreamOptions.include_usage defaults to true, so `{}` asks for the usage chunk.
+            include_usage=isinstance(options, dict) and bool(options.get("include_usage", True)),
+        )
+
+    async def _stream(self, request: web.Request, frames: Frames, script: Script) -> web.StreamResponse:
+        head, body, tail = frames
+        mode = script.fail_mid_stream
+        if mode is not None:
+            if mode not in FAILURE_MODES:
+                raise ValueError(f"fail_mid_stream must be one of {FAILURE_MODES}, not {mode!r}")
+            body = body[: len(body) // 2]
+            error = error_body(500, script.error_message or "fake vLLM: injected mid-stream error")
+            tail = {"bad_json": [b"data: {not json\n\n", DONE], "error": [b"data: %s\n\n" % error, DONE]}.get(mode, [])
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        if mode == "truncate":
+            resp.force_close()
+        await resp.prepare(request)
+        for i, frame in enumerate([*head, *body, *tail]):
+            if i and script.chunk_delay and not await self._idle(request, script.chunk_delay):
+                return resp
+            try:
+                await resp.write(frame)
+            except ConnectionError:  # aiohttp raises ConnectionResetError, or ConnectionError from drain()
+                self._lost()
+                return resp
+        if mode == "reset":
+            _reset(request)
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._record(request)
+            if isinstance(body.get("messages"), list):
+                toks = chat_prompt_pieces(body["messages"])
+            elif isinstance(body.get("prompt"), str):
+                toks = pieces(body["prompt"])
+            else:
+                raise Rejection(400, "Either messages or prompt must be provided.", kind="Bad Request")
+        except Rejection as exc:
+            return exc.response()
+        token_strs = toks if body.get("return_token_strs") else None
+        reply = dict(count=len(toks), max_model_len=self.max_model_len, tokens=[token_id(t) for t in toks])
+        return _json_response(orjson.dumps(dict(reply, token_strs=token_strs)))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        card = dict(id=self.model, object="model", created=int(time.time()), owned_by="vllm", root=self.model)
+        card.update(parent=None, max_model_len=self.max_model_len, permission=[])
+        return _json_response(orjson.dumps({"object": "list", "data": [card]}))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+
+async def start(
+    host: str = "127.0.0.1", port: int = 0, model: str = "fake-model"
+) -> tuple[FakeVLLM, web.AppRunner, str]:
+    """Serve a FakeVLLM in the running loop; returns it, its runner (to clean up) and its base URL (…/v1)."""
+    fake = FakeVLLM(model=model)
+    runner = web.AppRunner(fake.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    fake.url = f"http://{host}:{runner.addresses[0][1]}/v1"
+    return fake, runner, fake.url
+
+
+def run(host: str, port: int, model: str = "fake-model") -> None:
+    """Serve a FakeVLLM until interrupted."""
+    web.run_app(FakeVLLM(model=model).app, host=host, port=port, handler_cancellation=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m gymproxy.fake_vllm --host H --port P --model NAME [--max-model-len L]`."""
+    parser = argparse.ArgumentParser(prog="python -m gymproxy.fake_vllm", description="A fake vLLM server.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args(argv)
+    fake = FakeVLLM(model=args.model, max_model_len=args.max_model_len)
+    web.run_app(fake.app, host=args.host, port=args.port, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

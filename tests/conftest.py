@@ -1,0 +1,49 @@
+"""Shared fixtures: a fake vLLM on a real port, and gymproxy on another port in front of it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import openai
+import pytest
+
+from gymproxy import build_config, create_app
+from gymproxy.fake_vllm import FakeVLLM
+
+
+@pytest.fixture
+async def fake_vllm(aiohttp_server):
+    """A FakeVLLM on a real loopback port; `.url` is its base URL ending in /v1."""
+    fake = FakeVLLM()
+    server = await aiohttp_server(fake.app)
+    fake.url = str(server.make_url("/v1"))
+    return fake
+
+
+ProxyFactory = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+def start_proxy(aiohttp_server, fake_vllm) -> ProxyFactory:
+    """`await start_proxy(**config)` runs gymproxy in front of `fake_vllm`; returns its root URL."""
+
+    async def start(**config: Any) -> str:
+        config.setdefault("base_url", fake_vllm.url)
+        server = await aiohttp_server(create_app(build_config(config, environ={})))
+        return str(server.make_url("")).rstrip("/")
+
+    return start
+
+
+@pytest.fixture
+async def proxy_url(start_proxy) -> str:
+    """gymproxy with a NeMo Gym-like config (reasoning parser on, model pinned)."""
+    return await start_proxy(model="policy", uses_reasoning_parser=True)
+
+
+@pytest.fixture
+async def client(proxy_url):
+    """The real openai client, pointed at gymproxy."""
+    async with openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="test-key", max_retries=0) as c:
+        yield c
