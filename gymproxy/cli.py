@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
+import os
+import secrets
+import signal
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from . import __version__
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, load_config, upstream_specs
 from .plugin import create_app
 
 log = logging.getLogger("gymproxy")
@@ -33,27 +39,85 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
-        print(f"ok: {len(config.base_url)} upstream(s): {', '.join(config.base_url)}; model {config.model or '(client)'}")
+        urls = [spec.url for spec in upstream_specs(config)]
+        print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         return
-    serve(config, fake_port=getattr(args, "_fake_port", None))
-
-
-def serve(config: Config, *, fake_port: int | None = None) -> None:
-    """Run gymproxy until interrupted; with `fake_port`, the bundled fake vLLM runs beside it."""
-    app = create_app(config)
+    fake_port = getattr(args, "_fake_port", None)
+    workers = args.workers or config.num_workers or 1
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
+    if workers == 1:
+        serve(config, fake_port=fake_port)
+    else:
+        serve_workers(config, workers, fake_port=fake_port)
+
+
+def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = False) -> None:
+    """Run one gymproxy process until interrupted; with `fake_port`, the fake vLLM runs beside it."""
+    app = create_app(config)
+    if fake_port is not None:
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
-    log.info("gymproxy %s listening on http://%s:%d", __version__, config.host, config.port)
+    log.info("gymproxy %s listening on http://%s:%d (pid %d)", __version__, config.host, config.port, os.getpid())
     web.run_app(
         app,
         host=config.host,
         port=config.port,
+        reuse_port=reuse_port or None,
         access_log=logging.getLogger("aiohttp.access") if config.access_log else None,
         handler_cancellation=True,
         print=None,
         loop=_new_loop(),
     )
+
+
+def serve_workers(config: Config, workers: int, *, fake_port: int | None = None) -> None:
+    """N processes share the port (SO_REUSEPORT); the kernel spreads connections between them.
+
+    Pins stay consistent across workers because every worker checks cookies with the same secret:
+    without a configured one, this parent makes one for all of them.
+    """
+    if config.pinning.secret is None:
+        pinning = msgspec.structs.replace(config.pinning, secret=secrets.token_hex(32))
+        config = msgspec.structs.replace(config, pinning=pinning)
+    context = multiprocessing.get_context("spawn")
+    children = []
+    if fake_port is not None:
+        children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
+    children += [context.Process(target=_run_worker, args=(config,), daemon=True) for _ in range(workers)]
+    for child in children:
+        child.start()
+    log.info("gymproxy %s: %d workers on http://%s:%d", __version__, workers, config.host, config.port)
+
+    def stop(signum: int, frame: Any) -> None:
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        while all(child.is_alive() for child in children):
+            time.sleep(0.2)
+    finally:
+        stop(0, None)
+        for child in children:
+            child.join(timeout=30)
+    codes = [child.exitcode for child in children]
+    if any(code not in (0, -signal.SIGTERM, None) for code in codes):
+        raise SystemExit(f"gymproxy: a worker exited with {codes}")
+
+
+def _run_worker(config: Config) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
+    serve(config, reuse_port=True)
+
+
+def _run_fake(port: int, model: str) -> None:
+    from .fake_vllm import run
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run("127.0.0.1", port, model)
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -116,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="bearer token for the upstream")
     serve.add_argument("--server", help="which vllm_model entry of a NeMo Gym config to use")
     serve.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="resolve ${NAME} (or set a config key)")
+    serve.add_argument("--workers", type=int, help="worker processes sharing the port (default: num_workers or 1)")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("file")

@@ -44,11 +44,40 @@ class Timeouts(Settings, frozen=True, kw_only=True):
     keepalive: Seconds = 4.0
 
 
+class UpstreamSpec(Settings, frozen=True, kw_only=True):
+    """One upstream in gymproxy's own form (`base_url` lists give each URL the defaults)."""
+
+    url: str
+    name: str | None = None  # what pin cookies carry; defaults to the URL
+    api_key: str | None = None  # defaults to the top-level `api_key`
+    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # share of cookie-less sessions
+
+
+class Pinning(Settings, frozen=True, kw_only=True):
+    """Session pinning (prefix-cache affinity)."""
+
+    cookie_name: str = "gymproxy_pin"
+    # The HMAC key; every worker and replica that should honour the same cookies needs the same one.
+    secret: str | None = None
+    secret_env: str = "GYMPROXY_PIN_SECRET"
+    max_age: Seconds = 14 * 24 * 3600.0
+    session_header: str = "X-Session-ID"  # for clients without a cookie jar
+    use_user_field: bool = True  # the request body's `user` field also keys a session
+    placement: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+
+
+class Health(Settings, frozen=True, kw_only=True):
+    """Background health checks of each upstream's `/health`."""
+
+    interval: Seconds = 5.0
+    timeout: Seconds = 2.0
+
+
 class Config(Settings, frozen=True, kw_only=True):
     """Everything gymproxy needs; NeMo Gym's `vllm_model` keys keep their names and defaults."""
 
     # --- NeMo Gym `vllm_model` keys (spec section 4.2) ---
-    base_url: list[str]
+    base_url: list[str] = []
     api_key: str | None = None
     model: str | None = None
     return_token_id_information: bool = False
@@ -87,6 +116,9 @@ class Config(Settings, frozen=True, kw_only=True):
     token_id_capture_non_generating_requests: bool | None = None
 
     # --- gymproxy's own keys ---
+    upstreams: list[UpstreamSpec] = []
+    pinning: Pinning = Pinning()
+    health: Health = Health()
     default_query: dict[str, str] = {}
     timeouts: Timeouts = Timeouts()
     # Long multi-turn rollouts with images exceed aiohttp's 1 MiB default.
@@ -165,13 +197,19 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
     except msgspec.ValidationError as exc:
         raise ConfigError(f"config: {exc}") from exc
     _check(config)
+    if config.pinning.secret is None and environ.get(config.pinning.secret_env):
+        pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
+        config = msgspec.structs.replace(config, pinning=pinning)
     return config
 
 
 def _check(config: Config) -> None:
-    if not config.base_url:
-        raise ConfigError("config: `base_url` needs at least one upstream URL")
-    for url in config.base_url:
+    if not config.base_url and not config.upstreams:
+        raise ConfigError("config: `base_url` (or `upstreams`) needs at least one upstream URL")
+    names = [spec.name or spec.url for spec in upstream_specs(config)]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config: upstream names must be unique, got {names}")
+    for url in [spec.url for spec in upstream_specs(config)]:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: base_url {url!r} must start with http:// or https://")
     for key, why in _UNSUPPORTED.items():
@@ -182,6 +220,11 @@ def _check(config: Config) -> None:
             "config: `is_responses_native` and `use_completions_api` are not available yet in this "
             "gymproxy release"
         )
+
+
+def upstream_specs(config: Config) -> list[UpstreamSpec]:
+    """Every upstream: `base_url` entries first, then `upstreams`."""
+    return [UpstreamSpec(url=url) for url in config.base_url] + list(config.upstreams)
 
 
 def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], str | None]:

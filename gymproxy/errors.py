@@ -4,8 +4,9 @@ GymproxyError                   500 server_error
 ├── BadRequest                  400 invalid_request_error   (the client's request is wrong)
 │   └── PayloadTooLarge         413 invalid_request_error
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
-└── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
-    └── UpstreamTimeout         504 upstream_error
+├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
+│   └── UpstreamTimeout         504 upstream_error
+└── NoUpstream                  503 upstream_error          (every upstream is marked down)
 
 Handlers raise; `openai_errors` renders. No traceback or Python repr ever reaches a client.
 """
@@ -77,6 +78,13 @@ class UpstreamTimeout(UpstreamError):
     """The upstream did not answer in time (504)."""
 
     status = 504
+
+
+class NoUpstream(GymproxyError):
+    """No healthy upstream is left to serve the request (503)."""
+
+    status = 503
+    type = "upstream_error"
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")

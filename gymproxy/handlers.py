@@ -27,7 +27,7 @@ from .schemas.chat import COMPLETION_DECODER, ChatRequestView
 from .schemas.responses import REQUEST_DECODER, ResponsesRequest
 from .state import Proxy
 from .streaming import SSE_HEADERS, relay_chat, relay_responses, replay_chat, replay_responses
-from .upstream import Upstream
+from .upstream import Upstream, read, set_pin_cookie
 
 JSON = "application/json"
 
@@ -48,8 +48,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     if req.stream:
         translator = ResponsesStream(req, model=model, parser=parser, continued=continued)
         if local is None:
-            upstream = proxy.pool.pick()
-            async with proxy.pool.request(upstream, "chat", data=ENCODER.encode(body)) as up:
+            async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(req.user, config)) as (upstream, up):
                 local = await _check_stream(proxy, upstream, up)
                 if local is None:
                     return await relay_responses(request, up, upstream, translator, interval=config.stream_keepalive_s)
@@ -57,8 +56,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             return local
         return await replay_responses(request, translator, empty_completion(model, local), interval=config.stream_keepalive_s)
     if local is None:
-        upstream = proxy.pool.pick()
-        status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
+        _, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(req.user, config))
         local = _check_reply(proxy, status, payload) if status != 200 else None
     if isinstance(local, web.Response):
         return local
@@ -81,8 +79,10 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
     local = _local_answer(config, body)
     if body.get("stream") is True:
         if local is None:
-            upstream = proxy.pool.pick()
-            async with proxy.pool.request(upstream, "chat", data=ENCODER.encode(body)) as up:
+            async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config)) as (
+                upstream,
+                up,
+            ):
                 local = await _check_stream(proxy, upstream, up)
                 if local is None:
                     fold = ChatReasoningFolder(continued=continued) if config.uses_reasoning_parser else None
@@ -93,8 +93,7 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
             return local
         return await replay_chat(request, model, local, interval=config.stream_keepalive_s)
     if local is None:
-        upstream = proxy.pool.pick()
-        status, payload = await proxy.pool.call(upstream, "chat", ENCODER.encode(body))
+        _, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config))
         if status == 200:
             # Most replies carry no reasoning field: their bytes go back untouched.
             if b'"reasoning' in payload:
@@ -104,6 +103,11 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
     if isinstance(local, web.Response):
         return local
     return web.Response(body=ENCODER.encode(empty_completion(model, local)), content_type=JSON)
+
+
+def _user(user: Any, config: Config) -> str | None:
+    """The body's `user` keys a session for clients without cookies (when configured)."""
+    return user if config.pinning.use_user_field and isinstance(user, str) and user else None
 
 
 def _local_answer(config: Config, body: dict[str, Any]) -> str | None:
@@ -121,18 +125,27 @@ async def _check_stream(proxy: Proxy, upstream: Upstream, up: aiohttp.ClientResp
         raise UpstreamError(
             f"the upstream {upstream.base_url} answered a streaming request with {up.content_type}, not an event stream"
         )
-    return _check_reply(proxy, up.status, await proxy.pool.read(upstream, up))
+    return _check_reply(proxy, up.status, await read(up))
 
 
 async def models(proxy: Proxy, request: web.Request) -> web.StreamResponse:
-    """`GET /v1/models`, answered by the upstream."""
-    status, payload = await proxy.pool.call(proxy.pool.pick(), "models", method="GET")
+    """`GET /v1/models`, answered by the (pinned) upstream."""
+    _, status, payload = await proxy.pool.call(request, "models", method="GET")
     return web.Response(body=payload, status=status, content_type=JSON)
 
 
 async def health(proxy: Proxy, request: web.Request) -> web.StreamResponse:
-    """`GET /health`: gymproxy is up."""
-    return web.Response(body=b'{"status":"ok"}', content_type=JSON)
+    """`GET /health`: 200 while at least one upstream is healthy, 503 otherwise; lists each upstream."""
+    states = proxy.pool.states()
+    ok = any(state["healthy"] for state in states)
+    body = {"status": "ok" if ok else "unavailable", "upstreams": states}
+    return web.Response(body=ENCODER.encode(body), status=200 if ok else 503, content_type=JSON)
+
+
+async def metrics(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`GET /metrics` in the Prometheus text format."""
+    text = proxy.metrics.render(proxy.pool.gauges())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 def relay(route: str) -> Any:
@@ -140,11 +153,12 @@ def relay(route: str) -> Any:
 
     async def handler(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         data = await read_body(request, proxy.config.max_body_size)
-        async with proxy.pool.request(proxy.pool.pick(), route, data=data) as up:
+        async with proxy.pool.request(request, route, data) as (_, up):
             response = web.StreamResponse(status=up.status)
             response.content_type = up.content_type
             if up.content_type == "text/event-stream":
                 response.headers.update(SSE_HEADERS)
+            set_pin_cookie(request, response)
             await response.prepare(request)
             try:
                 async for chunk in up.content.iter_any():
@@ -210,7 +224,7 @@ def _check_reply(proxy: Proxy, status: int, payload: bytes) -> str | web.Respons
     """An upstream error status: "length" for a context overflow (or vLLM's own 400 when propagating);
     any other error is raised with the upstream's status and message."""
     if is_context_overflow(status, payload):
-        proxy.overflows += 1
+        proxy.metrics.overflows += 1
         if proxy.config.propagate_context_overflow_errors:
             return web.Response(body=payload, status=status, content_type=JSON)
         return "length"

@@ -6,6 +6,7 @@ app-wide middleware and several instances can live in one app under different pr
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
@@ -15,6 +16,7 @@ from . import handlers
 from .config import Config
 from .errors import Handler, openai_errors
 from .state import Proxy
+from .upstream import TRACE, set_pin_cookie
 
 PROXIES: Final = web.AppKey("gymproxy.proxies", list[Proxy])
 
@@ -35,24 +37,45 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
     app.cleanup_ctx.append(lifetime)
     app.setdefault(PROXIES, []).append(proxy)
 
-    def bind(handler: BoundHandler) -> Handler:
+    metrics = proxy.metrics
+    loop_time = _loop_time
+
+    def bind(handler: BoundHandler, route: str) -> Handler:
         async def bound(request: web.Request) -> web.StreamResponse:
             return await handler(proxy, request)
 
         bound.__name__ = handler.__name__
-        return openai_errors(bound)
+        rendered = openai_errors(bound)
+
+        async def served(request: web.Request) -> web.StreamResponse:
+            start = loop_time()
+            request[TRACE] = (metrics, route, start)
+            response = await rendered(request)
+            if not response.prepared:
+                set_pin_cookie(request, response)  # errors of a new session carry its cookie too
+            metrics.requests[(route, response.status)] += 1
+            metrics.duration.observe(route, loop_time() - start)
+            return response
+
+        served.__name__ = handler.__name__
+        return served
 
     app.router.add_routes(
         [
-            web.post(f"{prefix}/v1/responses", bind(handlers.responses)),
-            web.post(f"{prefix}/v1/chat/completions", bind(handlers.chat_completions)),
-            web.post(f"{prefix}/v1/completions", bind(handlers.relay("completions"))),
-            web.post(f"{prefix}/tokenize", bind(handlers.relay("tokenize"))),
-            web.get(f"{prefix}/v1/models", bind(handlers.models)),
-            web.get(f"{prefix}/health", bind(handlers.health)),
+            web.post(f"{prefix}/v1/responses", bind(handlers.responses, "/v1/responses")),
+            web.post(f"{prefix}/v1/chat/completions", bind(handlers.chat_completions, "/v1/chat/completions")),
+            web.post(f"{prefix}/v1/completions", bind(handlers.relay("completions"), "/v1/completions")),
+            web.post(f"{prefix}/tokenize", bind(handlers.relay("tokenize"), "/tokenize")),
+            web.get(f"{prefix}/v1/models", bind(handlers.models, "/v1/models")),
+            web.get(f"{prefix}/health", bind(handlers.health, "/health")),
+            web.get(f"{prefix}/metrics", bind(handlers.metrics, "/metrics")),
         ]
     )
     return proxy
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def create_app(config: Config) -> web.Application:

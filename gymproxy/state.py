@@ -1,4 +1,4 @@
-"""What one mounted gymproxy holds while it runs: config, upstream pool, boundary rules, counters."""
+"""What one mounted gymproxy holds while it runs: config, upstream pool, boundary rules, metrics."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 
 from .config import Config
 from .convert.boundary import Boundary
+from .metrics import Metrics
 from .upstream import UpstreamPool, make_session, probe
 
 
@@ -15,17 +16,18 @@ class Proxy:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.boundary = Boundary(config)
-        self.pool = UpstreamPool(config)
-        self.overflows = 0
-        self._probe: asyncio.Task[None] | None = None
+        self.metrics = Metrics()
+        self.pool = UpstreamPool(config, self.metrics)
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Open the upstream session (needs the running loop) and log what each upstream says."""
+        """Open the upstream session (needs the running loop), log what each upstream says,
+        and start the background health checks."""
         self.pool.session = make_session(self.config)
-        self._probe = asyncio.ensure_future(probe(self.pool))
+        self._tasks = [asyncio.ensure_future(probe(self.pool)), asyncio.ensure_future(self.pool.watch_health())]
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.session.close()

@@ -22,7 +22,7 @@ from .schemas import ENCODER
 from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
-from .upstream import Upstream
+from .upstream import TRACE, Upstream, set_pin_cookie
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -39,8 +39,9 @@ class ClientGone(Exception):
 class SSEWriter:
     """A prepared event-stream response that sends `: keep-alive` while the upstream is silent."""
 
-    def __init__(self, response: web.StreamResponse, interval: float) -> None:
+    def __init__(self, response: web.StreamResponse, interval: float, trace: Any = None) -> None:
         self.response = response
+        self.trace = trace  # (metrics, route, start): time to first byte is recorded on the first write
         self.interval = interval
         self.loop = asyncio.get_running_loop()
         self.last = self.loop.time()
@@ -49,6 +50,10 @@ class SSEWriter:
 
     async def write(self, data: bytes) -> None:
         self.last = self.loop.time()
+        if self.trace is not None:
+            metrics, route, start = self.trace
+            metrics.ttfb.observe(route, self.last - start)
+            self.trace = None
         try:
             await self.response.write(data)
         except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
@@ -80,8 +85,9 @@ class SSEWriter:
 
 async def open_stream(request: web.Request, interval: float) -> SSEWriter:
     response = web.StreamResponse(headers=SSE_HEADERS)
+    set_pin_cookie(request, response)  # headers go out with prepare(): the cookie must be on them
     await response.prepare(request)
-    return SSEWriter(response, interval)
+    return SSEWriter(response, interval, request.get(TRACE))
 
 
 async def relay_chat(

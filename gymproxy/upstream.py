@@ -1,7 +1,9 @@
-"""The upstream vLLM servers: one shared `ClientSession`, their URLs, and how a call can fail.
+"""The upstream vLLM fleet: one shared `ClientSession`, pinning, health, and failover.
 
 Every failure to talk to an upstream becomes an `UpstreamError` (502) or `UpstreamTimeout` (504)
-whose message names the URL that failed, so a wrong `base_url` is obvious at once.
+whose message names the URL that failed, so a wrong `base_url` is obvious at once. A request is
+retried on another upstream only when the connection could not be opened, so the request never
+reached vLLM and no generation is ever run twice.
 """
 
 from __future__ import annotations
@@ -9,34 +11,43 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import random
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from yarl import URL
 
-from .config import Config
+from .config import Config, UpstreamSpec, upstream_specs
 from .errors import UpstreamError, UpstreamTimeout
+from .metrics import Metrics
+from .pinning import Pinner, Signer
 
 log = logging.getLogger("gymproxy")
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 LARGE_BODY = 1024 * 1024
+# Per-request storage: typed keys where aiohttp has them (3.14+), plain strings before that.
+_RequestKey: Any = getattr(web, "RequestKey", None)
+PIN: Any = _RequestKey("gymproxy.pin", tuple) if _RequestKey else "gymproxy.pin"  # (cookie name, value, max age)
+TRACE: Any = _RequestKey("gymproxy.trace", tuple) if _RequestKey else "gymproxy.trace"  # (metrics, route, start)
 
 
 class Upstream:
-    """One vLLM server: its prebuilt URLs and request headers, and its in-flight count."""
+    """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
-    __slots__ = ("name", "base_url", "headers", "urls", "inflight")
+    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy")
 
-    def __init__(self, base_url: str, config: Config, name: str | None = None) -> None:
-        self.name = name or base_url
-        self.base_url = base_url.rstrip("/")
+    def __init__(self, spec: UpstreamSpec, config: Config) -> None:
+        self.name = spec.name or spec.url
+        self.base_url = spec.url.rstrip("/")
+        self.weight = spec.weight
         headers = dict(config.default_headers)
-        if config.api_key:
-            headers["Authorization"] = f"Bearer {config.api_key}"
+        api_key = spec.api_key or config.api_key
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         self.headers = headers
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         query = dict(config.default_query)
@@ -53,65 +64,166 @@ class Upstream:
             "health": url(root, "health"),
         }
         self.inflight = 0
+        self.healthy = True
 
     def __repr__(self) -> str:  # never shows the api key
         return f"Upstream({self.base_url!r})"
 
 
 class UpstreamPool:
-    """The upstreams of one app and the session all requests to them share."""
+    """The upstreams of one gymproxy, the session all requests share, and the pinning rules."""
 
     session: aiohttp.ClientSession  # opened by Proxy.start() once a loop runs
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, metrics: Metrics) -> None:
         self.config = config
-        self.upstreams = [Upstream(url, config) for url in config.base_url]
-
-    def pick(self) -> Upstream:
-        """The upstream with the fewest requests in flight (ties at random)."""
-        if len(self.upstreams) == 1:
-            return self.upstreams[0]
-        least = min(u.inflight for u in self.upstreams)
-        return random.choice([u for u in self.upstreams if u.inflight == least])
+        self.metrics = metrics
+        self.upstreams = [Upstream(spec, config) for spec in upstream_specs(config)]
+        pinning = config.pinning
+        secret = pinning.secret
+        if secret is None:
+            secret = secrets.token_hex(32)
+            if len(self.upstreams) > 1:
+                log.warning(
+                    "no pin secret configured (pinning.secret or $%s): pins are signed with a random "
+                    "key and do not carry over to other workers, replicas or restarts",
+                    pinning.secret_env,
+                )
+        self.pinner = Pinner(self.upstreams, Signer(secret.encode(), pinning.max_age), placement=pinning.placement)
+        self.cookie_name = pinning.cookie_name
+        self.session_header = pinning.session_header
 
     @asynccontextmanager
     async def request(
-        self, upstream: Upstream, route: str, *, data: bytes | None = None, method: str = "POST"
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send one request; the response is released (and the connection closed if unread) on exit."""
-        url = upstream.urls[route]
-        headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
-        body: bytes | io.BytesIO | None = data
-        if data is not None and len(data) > LARGE_BODY:
-            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
-        upstream.inflight += 1
+        self, request: web.Request, route: str, data: bytes | None = None, *, method: str = "POST", key: str | None = None
+    ) -> AsyncIterator[tuple[Upstream, aiohttp.ClientResponse]]:
+        """Send to the request's pinned upstream; the upstream response is closed on exit if unread."""
+        upstream, response = await self._send(request, route, data, method, key)
         try:
-            try:
-                response = await self.session.request(method, url, data=body, headers=headers)
-            except asyncio.TimeoutError as exc:
-                raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
-            except aiohttp.ClientError as exc:
-                raise UpstreamError(f"cannot reach upstream {_show(url)}: {_why(exc)}") from exc
-            try:
-                yield response
-            finally:
-                response.release()
+            yield upstream, response
+        except BaseException:
+            response.close()  # the client left or we failed: make vLLM stop generating
+            raise
         finally:
+            response.release()
             upstream.inflight -= 1
 
-    async def read(self, upstream: Upstream, response: aiohttp.ClientResponse) -> bytes:
-        """The whole body, with read failures mapped to 502/504 naming the upstream."""
-        try:
-            return await response.read()
-        except asyncio.TimeoutError as exc:
-            raise UpstreamTimeout(f"upstream {_show(response.url)} stopped sending its reply ({_why(exc)})") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"upstream {_show(response.url)} broke off its reply: {_why(exc)}") from exc
+    async def call(
+        self, request: web.Request, route: str, data: bytes | None = None, *, method: str = "POST", key: str | None = None
+    ) -> tuple[Upstream, int, bytes]:
+        """Send a request and read the whole reply: (upstream, status, body)."""
+        async with self.request(request, route, data, method=method, key=key) as (upstream, response):
+            return upstream, response.status, await read(response)
 
-    async def call(self, upstream: Upstream, route: str, data: bytes | None = None, method: str = "POST") -> tuple[int, bytes]:
-        """Send a request and read the whole reply: (status, body)."""
-        async with self.request(upstream, route, data=data, method=method) as response:
-            return response.status, await self.read(upstream, response)
+    async def _send(
+        self, request: web.Request, route: str, data: bytes | None, method: str, key: str | None
+    ) -> tuple[Upstream, aiohttp.ClientResponse]:
+        session_key = request.headers.get(self.session_header) or key
+        cookie = request.cookies.get(self.cookie_name)
+        tried: list[Upstream] = []
+        while True:
+            pin = self.pinner.pick(cookie, session_key, exclude=tuple(tried))
+            if pin.cookie is not None:
+                request[PIN] = (self.cookie_name, pin.cookie, self.config.pinning.max_age)
+            upstream = pin.upstream
+            url = upstream.urls[route]
+            headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
+            body: bytes | io.BytesIO | None = data
+            if data is not None and len(data) > LARGE_BODY:
+                body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
+            upstream.inflight += 1
+            try:
+                response = await self.session.request(method, url, data=body, headers=headers)
+            except aiohttp.ClientConnectorError as exc:
+                # Never connected, so vLLM never saw the request: safe to try another upstream.
+                upstream.inflight -= 1
+                self._count(upstream, 0)
+                self.mark(upstream, False, f"cannot connect: {_why(exc)}")
+                tried.append(upstream)
+                if not any(u.healthy and u not in tried for u in self.upstreams):
+                    raise UpstreamError(f"cannot reach upstream {_show(url)}: {_why(exc)}") from exc
+                continue
+            except asyncio.TimeoutError as exc:
+                upstream.inflight -= 1
+                self._count(upstream, 0)
+                raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
+            except aiohttp.ClientError as exc:
+                upstream.inflight -= 1
+                self._count(upstream, 0)
+                raise UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}") from exc
+            except BaseException:
+                upstream.inflight -= 1
+                raise
+            self._count(upstream, response.status)
+            return upstream, response
+
+    def _count(self, upstream: Upstream, status: int) -> None:
+        self.metrics.upstream_requests[(upstream.name, status)] += 1
+
+    def mark(self, upstream: Upstream, healthy: bool, why: str = "") -> None:
+        if upstream.healthy != healthy:
+            upstream.healthy = healthy
+            if healthy:
+                log.info("upstream %s is healthy again", upstream.base_url)
+            else:
+                log.warning("upstream %s marked down: %s", upstream.base_url, why)
+
+    async def check_health(self) -> None:
+        """One round of `/health` checks on every upstream."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout)
+
+        async def check(upstream: Upstream) -> None:
+            try:
+                async with self.session.get(upstream.urls["health"], headers=upstream.headers, timeout=timeout) as r:
+                    await r.read()
+                    ok, why = r.status == 200, f"/health answered {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                ok, why = False, f"/health failed: {_why(exc)}"
+            self.mark(upstream, ok, why)
+
+        await asyncio.gather(*(check(u) for u in self.upstreams))
+
+    async def watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health.interval)
+            await self.check_health()
+
+    def states(self) -> list[dict[str, Any]]:
+        return [
+            {"name": u.name, "url": u.base_url, "healthy": u.healthy, "inflight": u.inflight} for u in self.upstreams
+        ]
+
+    def gauges(self) -> Iterable[tuple[str, str, str, Any]]:
+        yield "gymproxy_upstream_inflight", "gauge", "Requests in flight, by upstream.", lambda: [
+            (f'{{upstream="{u.name}"}}', u.inflight) for u in self.upstreams
+        ]
+        yield "gymproxy_upstream_healthy", "gauge", "1 while the upstream is healthy.", lambda: [
+            (f'{{upstream="{u.name}"}}', int(u.healthy)) for u in self.upstreams
+        ]
+        yield "gymproxy_pins_created_total", "counter", "Sessions pinned for the first time.", lambda: [
+            ("", self.pinner.created)
+        ]
+        yield "gymproxy_pins_repinned_total", "counter", "Pins replaced (invalid cookie or dead upstream).", lambda: [
+            ("", self.pinner.repinned)
+        ]
+
+
+async def read(response: aiohttp.ClientResponse) -> bytes:
+    """The whole body, with read failures mapped to 502/504 naming the upstream."""
+    try:
+        return await response.read()
+    except asyncio.TimeoutError as exc:
+        raise UpstreamTimeout(f"upstream {_show(response.url)} stopped sending its reply ({_why(exc)})") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"upstream {_show(response.url)} broke off its reply: {_why(exc)}") from exc
+
+
+def set_pin_cookie(request: web.Request, response: web.StreamResponse) -> None:
+    """Give a new or re-pinned session its cookie; call before the response is prepared."""
+    pin = request.get(PIN)
+    if pin is not None:
+        name, value, max_age = pin
+        response.set_cookie(name, value, max_age=int(max_age), path="/", httponly=True, samesite="Lax")
 
 
 def make_session(config: Config) -> aiohttp.ClientSession:
@@ -127,18 +239,19 @@ def make_session(config: Config) -> aiohttp.ClientSession:
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.read),
         cookie_jar=aiohttp.DummyCookieJar(),
-        auto_decompress=True,
     )
 
 
 async def probe(pool: UpstreamPool) -> None:
     """Log each upstream and whether its /v1/models answered, naming the URL tried."""
+    timeout = aiohttp.ClientTimeout(total=10)
     for upstream in pool.upstreams:
         url = _show(upstream.urls["models"])
         try:
-            status, body = await asyncio.wait_for(pool.call(upstream, "models", method="GET"), timeout=10)
-        except (UpstreamError, asyncio.TimeoutError) as exc:
-            log.warning("upstream %s: %s is NOT answering: %s", upstream.base_url, url, exc)
+            async with pool.session.get(upstream.urls["models"], headers=upstream.headers, timeout=timeout) as r:
+                status, body = r.status, await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("upstream %s: %s is NOT answering: %s", upstream.base_url, url, _why(exc))
             continue
         if status == 200:
             log.info("upstream %s: %s answered 200", upstream.base_url, url)

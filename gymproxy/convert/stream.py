@@ -423,11 +423,11 @@ class ChatReasoningFolder:
                     delta["content"] = reasoning + content
                     continue
                 prefix = "" if index in self.open else OPEN
-                self.open.add(index)
-                if content:  # reasoning and answer in one delta: close right away
+                if content or choice.get("finish_reason") is not None:  # the answer starts, or the turn ends here
                     self.open.discard(index)
                     delta["content"] = prefix + reasoning + CLOSE + content
                 else:
+                    self.open.add(index)
                     delta["content"] = prefix + reasoning
             elif index in self.open and (content or delta.get("tool_calls") or choice.get("finish_reason") is not None):
                 self.open.discard(index)

@@ -1,0 +1,123 @@
+"""Session pinning: which upstream serves a request, and the signed cookie that remembers it.
+
+The cookie is the whole state. Its value names the upstream, when it was issued, and an
+HMAC-SHA256 over both under a shared secret, so any worker process, any replica with the same
+secret, or a restarted gymproxy routes it the same way, and no session table grows in memory.
+A cookie that is forged, stale, malformed or names an upstream no longer configured is ignored
+and the session is pinned afresh. Clients without a cookie jar can send a session header or the
+body's `user` field instead: those keys map to an upstream by rendezvous hashing, so adding or
+removing one upstream moves only its own share of sessions.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import math
+import random
+import struct
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+from .errors import NoUpstream
+
+if TYPE_CHECKING:
+    from .upstream import Upstream
+
+log = logging.getLogger("gymproxy")
+
+
+class Signer:
+    """Signs and checks pin values `<name>.<issued>.<mac>` (base64url, no padding)."""
+
+    def __init__(self, secret: bytes, max_age: float) -> None:
+        self._secret = secret
+        self.max_age = max_age
+
+    def sign(self, name: str, issued: int | None = None) -> str:
+        issued = int(time.time()) if issued is None else issued
+        encoded = _b64(name.encode())
+        payload = f"{encoded}.{issued}"
+        return f"{payload}.{self._mac(payload)}"
+
+    def unsign(self, value: str) -> str | None:
+        """The upstream name in a valid, fresh pin; None for anything else."""
+        encoded, sep, rest = value.partition(".")
+        issued, sep2, mac = rest.partition(".")
+        if not (sep and sep2 and issued.isdigit()):
+            return None
+        if not hmac.compare_digest(mac, self._mac(f"{encoded}.{issued}")):
+            return None
+        if time.time() - int(issued) > self.max_age:
+            return None
+        try:
+            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+    def _mac(self, payload: str) -> str:
+        return _b64(hmac.new(self._secret, payload.encode(), hashlib.sha256).digest())
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class Pin(NamedTuple):
+    upstream: "Upstream"
+    cookie: str | None  # a new cookie value to set, or None when the client's pin stands
+
+
+class Pinner:
+    """Chooses the upstream for each request; see the module docstring for the order of keys."""
+
+    def __init__(self, upstreams: list[Upstream], signer: Signer, *, placement: str) -> None:
+        self.upstreams = upstreams
+        self.by_name = {u.name: u for u in upstreams}
+        self.signer = signer
+        self.placement = placement
+        self._next = 0
+        self.created = 0
+        self.repinned = 0
+        self._warned = False
+
+    def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[Upstream, ...] = ()) -> Pin:
+        """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin."""
+        if cookie:
+            name = self.signer.unsign(cookie)
+            upstream = self.by_name.get(name) if name is not None else None
+            if upstream is not None and upstream.healthy and upstream not in exclude:
+                return Pin(upstream, None)
+            self.repinned += 1
+            if upstream is None and not self._warned:
+                self._warned = True  # log once: a forged or stale cookie is the client's business
+                log.info("ignoring an invalid, stale or unknown pin cookie; re-pinning (logged once)")
+        else:
+            self.created += 1
+        healthy = [u for u in self.upstreams if u.healthy and u not in exclude]
+        if not healthy:
+            raise NoUpstream(f"no healthy upstream: {', '.join(u.base_url for u in self.upstreams)} are all down")
+        if session_key:
+            upstream = max(healthy, key=lambda u: _score(session_key, u))
+        else:
+            upstream = self._place(healthy)
+        return Pin(upstream, self.signer.sign(upstream.name))
+
+    def _place(self, healthy: list[Upstream]) -> Upstream:
+        if len(healthy) == 1:
+            return healthy[0]
+        if self.placement == "round_robin":
+            self._next += 1
+            return healthy[self._next % len(healthy)]
+        least = min(u.inflight for u in healthy)
+        return random.choice([u for u in healthy if u.inflight == least])
+
+
+def _score(key: str, upstream: Upstream) -> float:
+    """Weighted rendezvous hashing: the highest score wins, and each upstream's share follows its weight."""
+    digest = hashlib.sha256(f"{upstream.name}\x00{key}".encode()).digest()
+    (value,) = struct.unpack(">Q", digest[:8])
+    unit = (value + 1) / 2.0**64  # in (0, 1]
+    return -upstream.weight / math.log(unit) if unit < 1.0 else math.inf

@@ -1,0 +1,309 @@
+"""Several fake vLLMs behind one gymproxy: pinning, placement, failover, health, metrics, workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from gymproxy import build_config, create_app
+from gymproxy.fake_vllm import FakeVLLM
+from gymproxy.pinning import Signer
+
+COOKIE = "gymproxy_pin"
+SECRET = "test-secret"
+
+
+@pytest.fixture
+async def fleet(aiohttp_server):
+    """Three fake vLLMs on their own ports: (fakes, servers)."""
+    fakes = [FakeVLLM(model=f"m{i}") for i in range(3)]
+    servers = [await aiohttp_server(fake.app) for fake in fakes]
+    for fake, server in zip(fakes, servers):
+        fake.url = str(server.make_url("/v1"))
+    return fakes, servers
+
+
+async def start(aiohttp_server, urls, **config):
+    config.setdefault("pinning", {"secret": SECRET})
+    server = await aiohttp_server(create_app(build_config({"base_url": urls, **config}, environ={})))
+    return str(server.make_url("")).rstrip("/")
+
+
+def generations(fake: FakeVLLM) -> int:
+    return sum(1 for r in fake.requests if r.path == "/v1/chat/completions")
+
+
+async def ask(session: aiohttp.ClientSession, url: str, cookie: str | None = None, **headers) -> aiohttp.ClientResponse:
+    if cookie is not None:
+        headers["Cookie"] = f"{COOKIE}={cookie}"
+    async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, headers=headers) as r:
+        await r.read()
+        return r
+
+
+def pin_of(response: aiohttp.ClientResponse) -> str | None:
+    morsel = response.cookies.get(COOKIE)
+    return morsel.value if morsel is not None else None
+
+
+async def test_a_session_stays_on_one_upstream_and_sessions_spread(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes], pinning={"secret": SECRET, "placement": "round_robin"})
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        pins = []
+        for _ in range(6):
+            first = await ask(session, url)
+            pin = pin_of(first)
+            assert pin is not None
+            before = [generations(f) for f in fakes]
+            for _ in range(4):
+                later = await ask(session, url, pin)
+                assert later.status == 200 and pin_of(later) is None  # a valid pin is not re-set
+            moved = [generations(f) - b for f, b in zip(fakes, before)]
+            assert sorted(moved) == [0, 0, 4], moved
+            pins.append(Signer(SECRET.encode(), 3600).unsign(pin))
+    assert len(set(pins)) == 3  # new sessions went to every upstream
+
+
+async def test_forged_stale_malformed_and_unknown_cookies_are_repinned(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    signer = Signer(SECRET.encode(), 3600)
+    bad = [
+        Signer(b"other secret", 3600).sign(fakes[0].url),  # forged
+        signer.sign(fakes[0].url, issued=int(time.time()) - 30 * 24 * 3600),  # stale
+        "not-a-pin",  # malformed
+        signer.sign("http://gone:1/v1"),  # an upstream no longer configured
+    ]
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for cookie in bad:
+            response = await ask(session, url, cookie)
+            assert response.status == 200
+            new = pin_of(response)
+            assert new is not None and new != cookie
+            assert signer.unsign(new) in [f.url for f in fakes]
+
+
+async def test_cookie_set_on_errors_of_a_new_session(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[error:500]]"}]}) as r:
+            assert r.status == 500
+            assert pin_of(r) is not None
+
+
+async def test_session_header_and_user_field_map_consistently(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for key in ("rollout-1", "rollout-2", "rollout-3", "rollout-4"):
+            before = [generations(f) for f in fakes]
+            for _ in range(3):
+                await ask(session, url, **{"X-Session-ID": key})
+            moved = [generations(f) - b for f, b in zip(fakes, before)]
+            assert sorted(moved) == [0, 0, 3]
+        before = [generations(f) for f in fakes]
+        for _ in range(3):
+            async with session.post(
+                url + "/v1/responses", json={"model": "m", "input": "x", "user": "agent-7"}
+            ) as r:
+                assert r.status == 200
+        moved = [generations(f) - b for f, b in zip(fakes, before)]
+        assert sorted(moved) == [0, 0, 3]
+
+
+def test_rendezvous_moves_only_the_removed_share():
+    from gymproxy.config import Config, UpstreamSpec
+    from gymproxy.pinning import Pinner
+    from gymproxy.upstream import Upstream
+
+    config = build_config({"base_url": "http://a/v1"}, environ={})
+    ups = [Upstream(UpstreamSpec(url=f"http://u{i}/v1"), config) for i in range(4)]
+    signer = Signer(b"s", 3600)
+    keys = [f"session-{i}" for i in range(2000)]
+    full = {k: Pinner(ups, signer, placement="least_outstanding").pick(None, k).upstream.name for k in keys}
+    three = {k: Pinner(ups[:3], signer, placement="least_outstanding").pick(None, k).upstream.name for k in keys}
+    moved = [k for k in keys if full[k] != three[k]]
+    assert all(full[k] == ups[3].name for k in moved)  # only the removed upstream's sessions moved
+    assert 300 < len(moved) < 700  # about a quarter
+    assert isinstance(config, Config)
+
+
+async def test_adding_an_upstream_keeps_existing_pins(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url_two = await start(aiohttp_server, [fakes[0].url, fakes[1].url])
+    url_three = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        pins = [pin_of(await ask(session, url_two)) for _ in range(6)]
+        for pin in pins:
+            name = Signer(SECRET.encode(), 3600).unsign(pin)
+            target = next(f for f in fakes if f.url == name)
+            before = generations(target)
+            response = await ask(session, url_three, pin)  # another replica, one more upstream
+            assert pin_of(response) is None
+            assert generations(target) == before + 1
+
+
+async def test_dead_upstream_fails_over_without_failed_requests(aiohttp_server, fleet):
+    fakes, servers = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes], health={"interval": 60})
+    signer = Signer(SECRET.encode(), 3600)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        pin = signer.sign(fakes[1].url)
+        assert pin_of(await ask(session, url, pin)) is None
+        await servers[1].close()  # kill the pinned upstream: connections are now refused
+        statuses = []
+        new_pin = None
+        for _ in range(10):
+            response = await ask(session, url, new_pin or pin)
+            statuses.append(response.status)
+            new_pin = pin_of(response) or new_pin
+        assert statuses == [200] * 10
+        assert new_pin is not None and signer.unsign(new_pin) != fakes[1].url
+        async with session.get(url + "/health") as r:
+            body = await r.json()
+            assert r.status == 200
+            assert [u["healthy"] for u in body["upstreams"]] == [True, False, True]
+
+
+async def test_all_upstreams_down_is_503_naming_them(aiohttp_server, fleet):
+    fakes, servers = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes[:2]], health={"interval": 60})
+    for server in servers[:2]:
+        await server.close()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:
+            body = await r.json()
+            assert r.status in (502, 503)
+        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:
+            body = await r.json()
+            assert r.status == 503
+            assert fakes[0].url in body["error"]["message"] and fakes[1].url in body["error"]["message"]
+        async with session.get(url + "/health") as r:
+            assert r.status == 503
+
+
+async def test_health_checks_mark_down_and_back_up(aiohttp_server, fleet):
+    fakes, servers = fleet
+    url = await start(aiohttp_server, [fakes[0].url, fakes[1].url], health={"interval": 0.1, "timeout": 0.5})
+    port = servers[1].port
+    await servers[1].close()
+    async with aiohttp.ClientSession() as session:
+        for _ in range(50):
+            async with session.get(url + "/health") as r:
+                states = [u["healthy"] for u in (await r.json())["upstreams"]]
+            if states == [True, False]:
+                break
+            await asyncio.sleep(0.05)
+        assert states == [True, False]
+        revived = aiohttp.web.AppRunner(fakes[1].app)
+        await revived.setup()
+        site = aiohttp.web.TCPSite(revived, "127.0.0.1", port)
+        await site.start()
+        try:
+            for _ in range(50):
+                async with session.get(url + "/health") as r:
+                    states = [u["healthy"] for u in (await r.json())["upstreams"]]
+                if states == [True, True]:
+                    break
+                await asyncio.sleep(0.05)
+            assert states == [True, True]
+        finally:
+            await revived.cleanup()
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.match(r"([a-z_]+)(\{[^}]*\})? (\S+)", line)
+        assert match, line
+        if match.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+async def test_metrics_are_present_and_move(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes[:2]])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with session.get(url + "/metrics") as r:
+            before = await r.text()
+            assert r.headers["Content-Type"].startswith("text/plain")
+        pin = pin_of(await ask(session, url))
+        await ask(session, url, pin)
+        await ask(session, url, "forged")
+        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[overflow]]"}]}) as r:
+            await r.read()
+        async with session.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}) as r:
+            await r.read()
+        async with session.post(url + "/v1/responses", data=b"{bad") as r:
+            await r.read()
+        async with session.get(url + "/metrics") as r:
+            after = await r.text()
+    assert _metric(after, "gymproxy_requests_total", route="/v1/chat/completions", status="200") == 4
+    assert _metric(after, "gymproxy_requests_total", route="/v1/responses", status="400") == 1
+    assert _metric(after, "gymproxy_request_duration_seconds_count", route="/v1/chat/completions") == 4
+    assert _metric(after, "gymproxy_stream_ttfb_seconds_count", route="/v1/responses") == 1
+    assert _metric(after, "gymproxy_upstream_requests_total", status="200") == 4
+    assert _metric(after, "gymproxy_upstream_requests_total", status="400") == 1
+    assert _metric(after, "gymproxy_context_overflows_total") == 1
+    assert _metric(after, "gymproxy_pins_created_total") == 3  # the bad JSON never reached pinning
+    assert _metric(after, "gymproxy_pins_repinned_total") == 1
+    assert _metric(after, "gymproxy_upstream_healthy") == 2
+    assert _metric(after, "gymproxy_upstream_inflight") == 0
+    for name in ("gymproxy_requests_total", "gymproxy_upstream_healthy", "gymproxy_pins_created_total"):
+        assert f"# TYPE {name}" in before
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_two_workers_pin_the_same_cookie_the_same_way(fleet):
+    fakes, _ = fleet
+    port = _free_port()
+    command = [sys.executable, "-m", "gymproxy", "serve", "--workers", "2", "--port", str(port)]
+    for fake in fakes:
+        command += ["--upstream", fake.url]
+    env = {**os.environ, "GYMPROXY_PIN_SECRET": SECRET}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+            for _ in range(100):
+                try:
+                    async with session.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)
+            pins = [pin_of(await ask(session, url)) for _ in range(3)]
+            for pin in pins:
+                target = next(f for f in fakes if f.url == Signer(SECRET.encode(), 3600).unsign(pin))
+                before = generations(target)
+                for _ in range(8):  # a new connection each time: the kernel spreads them over both workers
+                    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as fresh:
+                        response = await ask(fresh, url, pin)
+                        assert response.status == 200 and pin_of(response) is None
+                assert generations(target) == before + 8
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr.decode()
