@@ -138,6 +138,8 @@ _UNSUPPORTED = {
     "forward_session_id_as_conversation_id": "gymproxy keeps no session ids",
 }
 
+_COMPLETIONS_READY = False  # the /v1/completions backend is being wired into the handlers
+
 _PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
 
 
@@ -212,14 +214,30 @@ def _check(config: Config) -> None:
     for url in [spec.url for spec in upstream_specs(config)]:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"config: base_url {url!r} must start with http:// or https://")
+    if config.render_chat_template and not config.use_completions_api:
+        raise ConfigError("config: `render_chat_template` only applies with `use_completions_api: true`")
+    if config.use_completions_api and config.supply_prefix_token_ids:
+        raise ConfigError("config: `supply_prefix_token_ids` cannot be combined with `use_completions_api`")
     for key, why in _UNSUPPORTED.items():
         if getattr(config, key) not in (None, False):
             raise ConfigError(f"config: `{key}` is not supported by gymproxy ({why})")
-    if config.is_responses_native or config.use_completions_api:
-        raise ConfigError(
-            "config: `is_responses_native` and `use_completions_api` are not available yet in this "
-            "gymproxy release"
-        )
+    if config.use_completions_api and not _COMPLETIONS_READY:
+        raise ConfigError("config: `use_completions_api` is not available yet in this gymproxy release")
+    if config.is_responses_native:
+        clashes = [
+            key
+            for key, bad in (
+                ("return_token_id_information", config.return_token_id_information),
+                ("replace_developer_role_with_system", config.replace_developer_role_with_system),
+                ("sequential_reasoning_allowed: false", not config.sequential_reasoning_allowed),
+                ("use_completions_api", config.use_completions_api),
+            )
+            if bad
+        ]
+        if clashes:
+            raise ConfigError(
+                f"config: `is_responses_native` forwards /v1/responses unconverted, so {clashes} cannot apply"
+            )
 
 
 def upstream_specs(config: Config) -> list[UpstreamSpec]:

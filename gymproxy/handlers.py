@@ -17,9 +17,10 @@ from aiohttp import web
 
 from .config import Config
 from .convert.boundary import sequential_reasoning_blocked
-from .convert.reply import NO_PARSER, empty_completion, fold_reasoning, to_response
+from .convert.reply import NO_PARSER, attach_tokens, empty_completion, fold_reasoning, to_response
 from .convert.request import to_chat_body
 from .convert.stream import ChatReasoningFolder, ResponsesStream
+from .convert.tokens import TokenInfo, attach_to_chat, from_reply, prompt_ids_from_tokenize, tokenize_body
 from .errors import BadRequest, PayloadTooLarge, UpstreamError, UpstreamStatus, from_validation
 from .overflow import is_context_overflow, upstream_message
 from .schemas import ENCODER
@@ -36,7 +37,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
     req = _decode_responses(await read_body(request, config.max_body_size))
-    body = to_chat_body(req, token_ids=config.return_token_id_information)
+    body = to_chat_body(req)
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -51,13 +52,24 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(req.user, config)) as (upstream, up):
                 local = await _check_stream(proxy, upstream, up)
                 if local is None:
-                    return await relay_responses(request, up, upstream, translator, interval=config.stream_keepalive_s)
+                    tokens_of = None
+                    if config.return_token_id_information:
+
+                        async def tokens_of(reply: dict[str, Any]) -> TokenInfo:
+                            return await _token_info(proxy, upstream, body, reply)
+
+                    return await relay_responses(
+                        request, up, upstream, translator, interval=config.stream_keepalive_s, tokens=tokens_of
+                    )
         if isinstance(local, web.Response):
             return local
         return await replay_responses(request, translator, empty_completion(model, local), interval=config.stream_keepalive_s)
+    tokens = None
     if local is None:
-        _, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(req.user, config))
+        upstream, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(req.user, config))
         local = _check_reply(proxy, status, payload) if status != 200 else None
+        if local is None and config.return_token_id_information:
+            tokens = await _token_info(proxy, upstream, body, _json_reply(payload))
     if isinstance(local, web.Response):
         return local
     if local is not None:
@@ -67,7 +79,27 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     except msgspec.DecodeError as exc:
         raise UpstreamError(f"the upstream's chat completion is not valid: {exc}") from exc
     response = to_response(completion, req, model=model, parser=parser, continued=continued)
+    if tokens is not None:
+        attach_tokens(response, tokens)
     return web.Response(body=ENCODER.encode(response), content_type=JSON)
+
+
+async def responses_native(proxy: Proxy, request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses` with `is_responses_native`: the upstream speaks Responses itself (spec 11)."""
+    config = proxy.config
+    body = _decode_object(await read_body(request, config.max_body_size))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a JSON boolean", param="stream")
+    if config.model is not None:
+        body["model"] = config.model
+    if config.chat_template_kwargs is not None:
+        body["chat_template_kwargs"] = dict(config.chat_template_kwargs)
+    if config.extra_body:
+        body = {**config.extra_body, **body}
+    if config.sampling_overrides:
+        body.update(config.sampling_overrides)
+    return await _forward(proxy, request, "responses", ENCODER.encode(body), key=_user(body.get("user"), config))
 
 
 async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResponse:
@@ -93,11 +125,19 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
             return local
         return await replay_chat(request, model, local, interval=config.stream_keepalive_s)
     if local is None:
-        _, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config))
+        upstream, status, payload = await proxy.pool.call(
+            request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config)
+        )
         if status == 200:
-            # Most replies carry no reasoning field: their bytes go back untouched.
-            if b'"reasoning' in payload:
-                payload = _fold_chat_reasoning(payload, parser=config.uses_reasoning_parser, continued=continued)
+            if config.return_token_id_information:
+                reply = _json_reply(payload)
+                _fold_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued)
+                attach_to_chat(reply, await _token_info(proxy, upstream, body, reply))
+                payload = orjson.dumps(reply)
+            elif b'"reasoning' in payload:  # most replies carry no reasoning field: their bytes go back untouched
+                reply = _json_reply(payload)
+                if _fold_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued):
+                    payload = orjson.dumps(reply)
             return web.Response(body=payload, content_type=JSON)
         local = _check_reply(proxy, status, payload)
     if isinstance(local, web.Response):
@@ -149,31 +189,37 @@ async def metrics(proxy: Proxy, request: web.Request) -> web.StreamResponse:
 
 
 def relay(route: str) -> Any:
-    """A handler that forwards the request body to `route` and streams the reply back unchanged."""
+    """A handler that forwards the request body to `route` unchanged and streams the reply back."""
 
     async def handler(proxy: Proxy, request: web.Request) -> web.StreamResponse:
-        data = await read_body(request, proxy.config.max_body_size)
-        async with proxy.pool.request(request, route, data) as (_, up):
-            response = web.StreamResponse(status=up.status)
-            response.content_type = up.content_type
-            if up.content_type == "text/event-stream":
-                response.headers.update(SSE_HEADERS)
-            set_pin_cookie(request, response)
-            await response.prepare(request)
-            try:
-                async for chunk in up.content.iter_any():
-                    await response.write(chunk)
-            except (asyncio.TimeoutError, aiohttp.ClientError):
-                # The status line is gone: drop the connection so the client sees a cut body,
-                # never a complete-looking one.
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            await response.write_eof()
-            return response
+        return await _forward(proxy, request, route, await read_body(request, proxy.config.max_body_size))
 
     handler.__name__ = f"relay_{route}"
     return handler
+
+
+async def _forward(
+    proxy: Proxy, request: web.Request, route: str, data: bytes, key: str | None = None
+) -> web.StreamResponse:
+    """Send `data` to the pinned upstream and relay its status and body chunk by chunk."""
+    async with proxy.pool.request(request, route, data, key=key) as (_, up):
+        response = web.StreamResponse(status=up.status)
+        response.content_type = up.content_type
+        if up.content_type == "text/event-stream":
+            response.headers.update(SSE_HEADERS)
+        set_pin_cookie(request, response)
+        await response.prepare(request)
+        try:
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+        except (asyncio.TimeoutError, aiohttp.ClientError):
+            # The status line is gone: drop the connection so the client sees a cut body,
+            # never a complete-looking one.
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write_eof()
+        return response
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -206,13 +252,18 @@ def _decode_responses(raw: bytes) -> ResponsesRequest:
         raise error from exc
 
 
-def _decode_chat(raw: bytes) -> dict[str, Any]:
+def _decode_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object")
+    return body
+
+
+def _decode_chat(raw: bytes) -> dict[str, Any]:
+    body = _decode_object(raw)
     try:
         msgspec.convert(body, ChatRequestView)
     except msgspec.ValidationError as exc:
@@ -248,11 +299,18 @@ def _envelope(payload: bytes) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else body
 
 
-def _fold_chat_reasoning(payload: bytes, *, parser: bool, continued: bool) -> bytes:
+def _json_reply(payload: bytes) -> dict[str, Any]:
     try:
         reply = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
         raise UpstreamError(f"the upstream's chat completion is not valid JSON: {exc}") from exc
+    if not isinstance(reply, dict):
+        raise UpstreamError("the upstream's chat completion is not a JSON object")
+    return reply
+
+
+def _fold_reasoning(reply: dict[str, Any], *, parser: bool, continued: bool) -> bool:
+    """Fold each choice's reasoning field into `<think>` content; True when anything changed."""
     changed = False
     for choice in reply.get("choices") or ():
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -267,4 +325,15 @@ def _fold_chat_reasoning(payload: bytes, *, parser: bool, continued: bool) -> by
         message.pop("reasoning", None)
         message["content"] = fold_reasoning(message.get("content"), reasoning, continued=continued)
         changed = True
-    return orjson.dumps(reply) if changed else payload
+    return changed
+
+
+async def _token_info(proxy: Proxy, upstream: Upstream, body: dict[str, Any], reply: dict[str, Any]) -> TokenInfo:
+    """Training mode: the reply's token ids, asking the same upstream's /tokenize for the prompt if needed."""
+    info = from_reply(reply)
+    if info.prompt_token_ids is None:
+        status, payload = await proxy.pool.call_upstream(upstream, "tokenize", ENCODER.encode(tokenize_body(body)))
+        if status != 200:
+            raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
+        info.prompt_token_ids = prompt_ids_from_tokenize(_json_reply(payload))
+    return info

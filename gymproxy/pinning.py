@@ -85,15 +85,16 @@ class Pinner:
 
     def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[Upstream, ...] = ()) -> Pin:
         """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin."""
-        if cookie:
+        if cookie and not exclude:
             name = self.signer.unsign(cookie)
             upstream = self.by_name.get(name) if name is not None else None
-            if upstream is not None and upstream.healthy and upstream not in exclude:
+            if upstream is not None and upstream.healthy:
                 return Pin(upstream, None)
-            self.repinned += 1
             if upstream is None and not self._warned:
                 self._warned = True  # log once: a forged or stale cookie is the client's business
                 log.info("ignoring an invalid, stale or unknown pin cookie; re-pinning (logged once)")
+        if cookie or exclude:
+            self.repinned += 1
         else:
             self.created += 1
         healthy = [u for u in self.upstreams if u.healthy and u not in exclude]

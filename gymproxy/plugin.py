@@ -60,9 +60,10 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
         served.__name__ = handler.__name__
         return served
 
+    responses = handlers.responses_native if config.is_responses_native else handlers.responses
     app.router.add_routes(
         [
-            web.post(f"{prefix}/v1/responses", bind(handlers.responses, "/v1/responses")),
+            web.post(f"{prefix}/v1/responses", bind(responses, "/v1/responses")),
             web.post(f"{prefix}/v1/chat/completions", bind(handlers.chat_completions, "/v1/chat/completions")),
             web.post(f"{prefix}/v1/completions", bind(handlers.relay("completions"), "/v1/completions")),
             web.post(f"{prefix}/tokenize", bind(handlers.relay("tokenize"), "/tokenize")),

@@ -9,6 +9,8 @@ If the client goes away, the upstream response is closed at once, which makes vL
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -17,12 +19,15 @@ from aiohttp import web
 
 from .convert.reply import NO_PARSER, empty_completion
 from .convert.stream import ChatReasoningFolder, ResponsesStream
+from .convert.tokens import TokenInfo
 from .errors import GymproxyError, UpstreamError
 from .schemas import ENCODER
 from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
 from .upstream import TRACE, Upstream, set_pin_cookie
+
+log = logging.getLogger("gymproxy")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -130,6 +135,9 @@ async def relay_chat(
         return _gone(up, writer)
     except READ_ERRORS as exc:
         failure = f"the upstream {upstream.base_url} failed mid-stream: {_describe(exc)}"
+    except Exception:  # a bug in gymproxy: the stream still ends properly
+        log.exception("unhandled error while relaying a chat stream")
+        failure = "internal error in gymproxy (see its log)"
     if failure is not None:
         up.close()
         error = {"error": {"message": failure, "type": "upstream_error", "param": None, "code": 502}}
@@ -145,8 +153,9 @@ async def relay_responses(
     translator: ResponsesStream,
     *,
     interval: float,
+    tokens: Callable[[dict[str, Any]], Awaitable[TokenInfo]] | None = None,
 ) -> web.StreamResponse:
-    """vLLM's chat stream to the client as Responses events."""
+    """vLLM's chat stream to the client as Responses events; `tokens` completes training-mode ids."""
     writer = await open_stream(request, interval)
     decoder = SSEDecoder()
     done = False
@@ -167,12 +176,17 @@ async def relay_responses(
                 await writer.write(frames)
         if not done:
             raise UpstreamError("the stream ended without [DONE]")
-        tail, _ = translator.finish()
+        info = await tokens(translator.token_reply()) if tokens is not None else None
+        tail, _ = translator.finish(info)
     except ClientGone:
         return _gone(up, writer)
     except READ_ERRORS as exc:
         up.close()
         tail = translator.fail(f"the upstream {upstream.base_url} failed mid-stream: {_describe(exc)}")
+    except Exception:  # a bug in gymproxy: the stream still ends with a terminal event
+        log.exception("unhandled error while translating a Responses stream")
+        up.close()
+        tail = translator.fail("internal error in gymproxy (see its log)")
     out.append(tail)
     return await _end(up, writer, b"".join(out))
 

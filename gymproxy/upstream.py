@@ -35,6 +35,10 @@ PIN: Any = _RequestKey("gymproxy.pin", tuple) if _RequestKey else "gymproxy.pin"
 TRACE: Any = _RequestKey("gymproxy.trace", tuple) if _RequestKey else "gymproxy.trace"  # (metrics, route, start)
 
 
+class NotConnected(UpstreamError):
+    """The connection to the upstream could not be opened: the request was never sent."""
+
+
 class Upstream:
     """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
@@ -115,6 +119,38 @@ class UpstreamPool:
         async with self.request(request, route, data, method=method, key=key) as (upstream, response):
             return upstream, response.status, await read(response)
 
+    async def call_upstream(self, upstream: Upstream, route: str, data: bytes) -> tuple[int, bytes]:
+        """A follow-up call to the upstream a request already went to (e.g. /tokenize)."""
+        upstream.inflight += 1
+        try:
+            response = await self._open(upstream, route, data, "POST")
+            async with response:
+                return response.status, await read(response)
+        finally:
+            upstream.inflight -= 1
+
+    async def _open(self, upstream: Upstream, route: str, data: bytes | None, method: str) -> aiohttp.ClientResponse:
+        """One attempt; failures are counted and mapped to 502/504 naming the URL."""
+        url = upstream.urls[route]
+        headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
+        body: bytes | io.BytesIO | None = data
+        if data is not None and len(data) > LARGE_BODY:
+            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
+        try:
+            response = await self.session.request(method, url, data=body, headers=headers)
+        except aiohttp.ClientConnectorError as exc:
+            self._count(upstream, 0)
+            self.mark(upstream, False, f"cannot connect: {_why(exc)}")
+            raise NotConnected(f"cannot reach upstream {_show(url)}: {_why(exc)}") from exc
+        except asyncio.TimeoutError as exc:
+            self._count(upstream, 0)
+            raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
+        except aiohttp.ClientError as exc:
+            self._count(upstream, 0)
+            raise UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}") from exc
+        self._count(upstream, response.status)
+        return response
+
     async def _send(
         self, request: web.Request, route: str, data: bytes | None, method: str, key: str | None
     ) -> tuple[Upstream, aiohttp.ClientResponse]:
@@ -126,36 +162,18 @@ class UpstreamPool:
             if pin.cookie is not None:
                 request[PIN] = (self.cookie_name, pin.cookie, self.config.pinning.max_age)
             upstream = pin.upstream
-            url = upstream.urls[route]
-            headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
-            body: bytes | io.BytesIO | None = data
-            if data is not None and len(data) > LARGE_BODY:
-                body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
             upstream.inflight += 1
             try:
-                response = await self.session.request(method, url, data=body, headers=headers)
-            except aiohttp.ClientConnectorError as exc:
+                return upstream, await self._open(upstream, route, data, method)
+            except NotConnected:
                 # Never connected, so vLLM never saw the request: safe to try another upstream.
                 upstream.inflight -= 1
-                self._count(upstream, 0)
-                self.mark(upstream, False, f"cannot connect: {_why(exc)}")
                 tried.append(upstream)
                 if not any(u.healthy and u not in tried for u in self.upstreams):
-                    raise UpstreamError(f"cannot reach upstream {_show(url)}: {_why(exc)}") from exc
-                continue
-            except asyncio.TimeoutError as exc:
-                upstream.inflight -= 1
-                self._count(upstream, 0)
-                raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
-            except aiohttp.ClientError as exc:
-                upstream.inflight -= 1
-                self._count(upstream, 0)
-                raise UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}") from exc
+                    raise
             except BaseException:
                 upstream.inflight -= 1
                 raise
-            self._count(upstream, response.status)
-            return upstream, response
 
     def _count(self, upstream: Upstream, status: int) -> None:
         self.metrics.upstream_requests[(upstream.name, status)] += 1

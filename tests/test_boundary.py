@@ -42,8 +42,8 @@ def assistant(content: Any, **extra: Any) -> dict[str, Any]:
     return {"role": "assistant", "content": content, **extra}
 
 
-def from_responses(token_ids: bool = False, **fields: Any) -> dict[str, Any]:
-    return to_chat_body(REQUEST_DECODER.decode(orjson.dumps(fields)), token_ids=token_ids)
+def from_responses(**fields: Any) -> dict[str, Any]:
+    return to_chat_body(REQUEST_DECODER.decode(orjson.dumps(fields)))
 
 
 # --- steps 1-3: strict, developer role, model ---------------------------------------------------

@@ -24,15 +24,15 @@ def decode(**fields: Any) -> ResponsesRequest:
     return REQUEST_DECODER.decode(orjson.dumps(fields))
 
 
-def chat(*, token_ids: bool = False, **fields: Any) -> dict[str, Any]:
+def chat(**fields: Any) -> dict[str, Any]:
     """The chat body for a request, as the JSON that would go on the wire."""
-    body = to_chat_body(decode(**fields), token_ids=token_ids)
+    body = to_chat_body(decode(**fields))
     return msgspec.json.decode(msgspec.json.encode(body))
 
 
-def refused(*, token_ids: bool = False, **fields: Any) -> BadRequest:
+def refused(**fields: Any) -> BadRequest:
     with pytest.raises(BadRequest) as info:
-        to_chat_body(decode(**fields), token_ids=token_ids)
+        to_chat_body(decode(**fields))
     assert info.value.status == 400
     return info.value
 
@@ -762,58 +762,27 @@ def test_parallel_tool_calls_is_dropped_without_tools():
         {"routed_experts": [[0, 1]]},
     ],
 )
-@pytest.mark.parametrize("token_ids", [False, True])
-def test_token_metadata_is_all_or_nothing(partial, token_ids):
-    error = refused(input=[{"role": "user", "content": "q"}, call(**partial)], token_ids=token_ids)
+def test_token_metadata_is_all_or_nothing(partial):
+    error = refused(input=[{"role": "user", "content": "q"}, call(**partial)])
     assert error.param is not None and error.param.startswith("input[1].")
     assert "partial token metadata" in error.message
 
 
-def test_token_fields_go_on_the_flushed_assistant_message_in_token_mode():
-    inp = [{"role": "user", "content": "q"}, reasoning("r"), call(**TOKENS), output("call_1", "o")]
-    got = chat(input=inp, token_ids=True)["messages"]
-    assert got[1] == {"content": "<think>r</think>", "role": "assistant", "tool_calls": [chat_call()], **TOKENS}
-    assert got[0] == {"role": "user", "content": "q"}
-    assert got[2] == {"content": "o", "role": "tool", "tool_call_id": "call_1"}
-
-
-def test_token_fields_are_ignored_outside_token_mode():
-    inp = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **TOKENS, "routed_experts": [[1]]}]
-    assert chat(input=inp)["messages"][1] == {"content": "a", "role": "assistant"}
-
-
-def test_the_last_token_bearing_item_of_a_turn_wins_and_routed_experts_is_kept():
-    later = {
-        "prompt_token_ids": [9],
-        "generation_token_ids": [8],
-        "generation_log_probs": [-1.0],
-        "routed_experts": [[3, 4]],
-    }
-    inp = [reasoning("r", **TOKENS), call(**later)]
-    (message,) = chat(input=inp, token_ids=True)["messages"]
-    assert message == {"content": "<think>r</think>", "role": "assistant", "tool_calls": [chat_call()], **later}
-
-
-def test_routed_experts_is_absent_when_null():
-    (message,) = chat(input=[{"role": "assistant", "content": "a", **TOKENS, "routed_experts": None}], token_ids=True)[
-        "messages"
-    ]
-    assert "routed_experts" not in message
-    assert message == {"content": "a", "role": "assistant", **TOKENS}
-
-
-def test_token_information_does_not_leak_into_a_later_turn():
+@pytest.mark.parametrize("extra", [{}, {"routed_experts": [[3, 4]]}])
+def test_token_fields_are_accepted_but_never_sent_upstream(extra):
     inp = [
+        {"role": "user", "content": "q", **TOKENS},
+        reasoning("r", **TOKENS),
+        call(**TOKENS, **extra),
+        output("call_1", "o"),
         {"role": "assistant", "content": "a", **TOKENS},
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": "b"},
     ]
-    got = chat(input=inp, token_ids=True)["messages"]
-    assert got[0] == {"content": "a", "role": "assistant", **TOKENS}
-    assert got[2] == {"content": "b", "role": "assistant"}
+    got = chat(input=inp)["messages"]
+    assert got == [
+        {"role": "user", "content": "q"},
+        {"content": "<think>r</think>", "role": "assistant", "tool_calls": [chat_call()]},
+        {"content": "o", "role": "tool", "tool_call_id": "call_1"},
+        {"content": "a", "role": "assistant"},
+    ]
 
 
-def test_tokens_on_a_user_item_go_on_the_next_assistant_message():
-    inp = [{"role": "user", "content": "q", **TOKENS}, {"role": "assistant", "content": "b"}]
-    got = chat(input=inp, token_ids=True)["messages"]
-    assert got == [{"role": "user", "content": "q"}, {"content": "b", "role": "assistant", **TOKENS}]

@@ -20,6 +20,7 @@ log = logging.getLogger("gymproxy")
 
 THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 CONTROL_KEYS = ("chat_template_kwargs", "extra_body")
+TOKEN_KEYS = frozenset(("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts"))
 
 _REASONING_KEYS = {
     "both": ("reasoning_content", "reasoning"),
@@ -78,6 +79,9 @@ class Boundary:
             body["return_tokens_as_token_ids"] = True
             if config.request_prompt_and_generation_token_ids:
                 body["return_token_ids"] = True
+        if not all(TOKEN_KEYS.isdisjoint(m) for m in messages):
+            # A training client's token metadata on history turns: vLLM does not read it.
+            body["messages"] = messages = [{k: v for k, v in m.items() if k not in TOKEN_KEYS} for m in messages]
         if self.split_history:
             body["messages"] = [self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)]
         if "top_logprobs" in body and body["top_logprobs"] is None:

@@ -31,6 +31,7 @@ from ..schemas.responses import (
     TextEcho,
 )
 from .boundary import THINK
+from .tokens import TokenInfo
 
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -133,6 +134,17 @@ def to_response(
     if choice.native_finish_reason is not None:
         response.native_finish_reason = str(choice.native_finish_reason)
     return response
+
+
+def attach_tokens(response: Response, info: TokenInfo) -> None:
+    """Training mode: the token information goes on the last output item only (spec 9.5)."""
+    if not response.output:
+        return
+    item = response.output[-1]
+    item.prompt_token_ids = info.prompt_token_ids if info.prompt_token_ids is not None else []
+    item.generation_token_ids = info.generation_token_ids
+    item.generation_log_probs = info.generation_log_probs
+    item.routed_experts = info.routed_experts
 
 
 def echo(req: ResponsesRequest) -> dict[str, Any]:

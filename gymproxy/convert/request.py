@@ -37,8 +37,12 @@ _NO_CHAT = (
 )
 
 
-def to_chat_body(req: ResponsesRequest, *, token_ids: bool = False) -> dict[str, Any]:
-    """Convert a Responses request into a Chat Completions body (before the vLLM boundary)."""
+def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
+    """Convert a Responses request into a Chat Completions body (before the vLLM boundary).
+
+    Token metadata on input items (a training client echoing earlier turns) is validated but never
+    sent: vLLM does not read it, and it would multiply the size of long rollouts.
+    """
     refused = sorted(name for name in REFUSED_FIELDS if getattr(req, name) is not None)
     if refused:
         raise BadRequest(
@@ -46,7 +50,7 @@ def to_chat_body(req: ResponsesRequest, *, token_ids: bool = False) -> dict[str,
             "request cannot be downconverted. Route it to a model server that passes Responses through.",
             param=refused[0],
         )
-    turns = _Turns(token_ids)
+    turns = _Turns()
     if isinstance(req.input, str):
         turns.messages.append({"role": "user", "content": [{"type": "text", "text": req.input}]})
     else:
@@ -98,14 +102,12 @@ _PASSED = (
 class _Turns:
     """Builds chat messages; consecutive assistant-side items merge into one assistant message."""
 
-    def __init__(self, token_ids: bool) -> None:
-        self.token_ids = token_ids
+    def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.pending = False
         self.text: list[str] = []
         self.refusal: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
-        self.tokens: InputItem | None = None
 
     def add(self, item: InputItem, where: str) -> None:
         kind = item.type
@@ -124,8 +126,7 @@ class _Turns:
             self._function_call_output(item, where)
         else:
             raise BadRequest(_NO_CHAT.format(kind), param=f"{where}.type")
-        if _has_tokens(item, where) and self.token_ids:
-            self.tokens = item
+        _check_tokens(item, where)
 
     def flush(self) -> None:
         if self.pending or self.text or self.refusal or self.tool_calls:
@@ -134,17 +135,11 @@ class _Turns:
                 message["tool_calls"] = self.tool_calls
             if self.refusal:
                 message["refusal"] = "".join(self.refusal)
-            if self.tokens is not None:
-                for name in TOKEN_FIELDS:
-                    message[name] = getattr(self.tokens, name)
-                if self.tokens.routed_experts is not None:
-                    message["routed_experts"] = self.tokens.routed_experts
             self.messages.append(message)
             self.pending = False
             self.text = []
             self.refusal = []
             self.tool_calls = []
-        self.tokens = None
 
     def _message(self, item: InputItem, where: str) -> None:
         if item.role is None:
@@ -220,18 +215,17 @@ class _Turns:
         self.messages.append({"content": content, "role": "tool", "tool_call_id": item.call_id})
 
 
-def _has_tokens(item: InputItem, where: str) -> bool:
+def _check_tokens(item: InputItem, where: str) -> None:
     """Token metadata is all-or-nothing: any field present requires the three lists."""
     present = [name for name in TOKEN_FIELDS if getattr(item, name) is not None]
     if not present and item.routed_experts is None:
-        return False
+        return
     missing = [name for name in TOKEN_FIELDS if getattr(item, name) is None]
     if missing:
         raise BadRequest(
             f"{where} carries partial token metadata; missing: {', '.join(missing)}",
             param=f"{where}.{missing[0]}",
         )
-    return True
 
 
 def _url(value: str | ImageURL | None) -> str | None:

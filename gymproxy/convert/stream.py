@@ -43,7 +43,8 @@ from ..schemas.responses import (
     ResponsesRequest,
     SummaryText,
 )
-from .reply import NO_PARSER, echo, new_id, to_response
+from .reply import NO_PARSER, attach_tokens, echo, new_id, to_response
+from .tokens import TokenInfo
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -138,6 +139,10 @@ class ResponsesStream:
         self.open_call: _Call | None = None
         self.reasoning_id_first: str | None = None
         self.message_id_first: str | None = None
+        # Training mode: what the chunks carried about tokens (spec 9.3, assembled as one reply).
+        self.prompt_token_ids: Any = None
+        self.token_ids: list[int] | None = None
+        self.logprobs: list[Any] | None = None
 
     # --- public ------------------------------------------------------------------------
 
@@ -154,9 +159,16 @@ class ResponsesStream:
             self.created = chunk.created
         if chunk.usage is not None:
             self.usage = chunk.usage
+        if chunk.prompt_token_ids is not None:
+            self.prompt_token_ids = chunk.prompt_token_ids
         for choice in chunk.choices:
             if choice.index != 0:
                 continue
+            if choice.token_ids is not None:
+                self.token_ids = (self.token_ids or []) + list(choice.token_ids)
+            if choice.logprobs is not None:
+                content = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
+                self.logprobs = (self.logprobs or []) + (content if isinstance(content, list) else [content])
             delta = choice.delta
             reasoning = delta.reasoning or delta.reasoning_content
             if reasoning:
@@ -184,7 +196,14 @@ class ResponsesStream:
                 self.finish_reason = choice.finish_reason
         return self._take()
 
-    def finish(self) -> tuple[bytes, Response]:
+    def token_reply(self) -> dict[str, Any]:
+        """The token fields the stream carried, shaped like a non-streamed reply for `tokens.from_reply`."""
+        choice: dict[str, Any] = {"message": {}, "token_ids": self.token_ids}
+        if self.logprobs is not None:
+            choice["logprobs"] = {"content": self.logprobs}
+        return {"prompt_token_ids": self.prompt_token_ids, "choices": [choice]}
+
+    def finish(self, tokens: TokenInfo | None = None) -> tuple[bytes, Response]:
         """Close every item and end with `response.completed` (or `.incomplete`)."""
         if self.splitter is not None:
             self._split(self.splitter.flush())
@@ -197,6 +216,8 @@ class ResponsesStream:
         )
         final = to_response(completion, self.req, model=self.model, parser=self.parser, continued=self.continued)
         final.id = self.id
+        if tokens is not None:
+            attach_tokens(final, tokens)
         if self.message_id_first is None and any(isinstance(i, MessageItem) for i in final.output):
             self._open_message()  # an empty answer still gets its (empty) message item
         self._close()
@@ -355,20 +376,22 @@ class ResponsesStream:
         elif kind == "message":
             assert self.message_id is not None
             mid, index = self.message_id, self.message_index
-            parts: list[OutputText | Refusal] = []
-            text = "".join(self.text)
-            if self.text_part < 0:  # an empty answer still has one (empty) output_text
-                self.text_part = 1 if self.refusal_part >= 0 else 0
-                self._emit(ContentPartEvent("response.content_part.added", 0, mid, index, self.text_part, OutputText(text="")))
-            self._emit(TextDone("response.output_text.done", 0, mid, index, self.text_part, text))
-            self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.text_part, OutputText(text=text)))
-            parts.append(OutputText(text=text))
+            parts: list[tuple[int, OutputText | Refusal]] = []
+            if self.text_part < 0 and self.refusal_part < 0:  # an empty answer still has one (empty) output_text
+                self.text_part = 0
+                self._emit(ContentPartEvent("response.content_part.added", 0, mid, index, 0, OutputText(text="")))
+            if self.text_part >= 0:
+                text = "".join(self.text)
+                self._emit(TextDone("response.output_text.done", 0, mid, index, self.text_part, text))
+                self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.text_part, OutputText(text=text)))
+                parts.append((self.text_part, OutputText(text=text)))
             if self.refusal_part >= 0:
                 refusal = "".join(self.refusal_text)
                 self._emit(RefusalDone("response.refusal.done", 0, mid, index, self.refusal_part, refusal))
                 self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.refusal_part, Refusal(refusal=refusal)))
-                parts.append(Refusal(refusal=refusal))
-            self._emit(ItemEvent("response.output_item.done", 0, index, MessageItem(id=mid, content=parts)))
+                parts.append((self.refusal_part, Refusal(refusal=refusal)))
+            content = [part for _, part in sorted(parts, key=lambda p: p[0])]  # in content_index order
+            self._emit(ItemEvent("response.output_item.done", 0, index, MessageItem(id=mid, content=content)))
         elif kind == "call":
             call = self.open_call
             assert call is not None
@@ -404,7 +427,7 @@ class ChatReasoningFolder:
         self.open: set[int] = set()  # choice indexes inside an unclosed <think>
 
     def needed(self, payload: bytes) -> bool:
-        return bool(self.open) or b'"reasoning' in payload
+        return bool(self.open) or b'"reasoning":' in payload or b'"reasoning_content":' in payload
 
     def fold(self, payload: bytes) -> bytes:
         chunk = orjson.loads(payload)
