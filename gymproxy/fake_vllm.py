@@ -245,25 +245,32 @@ def _chat_body(t: _Turn) -> Json:
         for c in s.tool_calls or []
     ]
     message: Json = dict(role="assistant", content=s.content, refusal=None, annotations=None, audio=None)
-    message.update(function_call=None, tool_calls=calls, **{s.reasoning_key: s.reasoning}, **(s.message_extra or {}))
+    message.update(function_call=None, tool_calls=calls, **{s.reasoning_key: s.reasoning})
+    message.update(s.message_extra or {})  # extras may replace any field
     choice = dict(index=0, message=message, logprobs=t.chat_logprobs(toks), finish_reason=s.finish_reason)
-    choice.update(stop_reason=None, token_ids=t.ids(toks), **(s.choice_extra or {}))
-    return t.envelope(
+    choice.update(stop_reason=None, token_ids=t.ids(toks))
+    choice.update(s.choice_extra or {})
+    body = t.envelope(
         "chat.completion", choices=[choice], service_tier=None, system_fingerprint=None,
         usage=t.usage(stream=False), prompt_logprobs=None, prompt_token_ids=t.prompt_token_ids(),
-        kv_transfer_params=None, **(s.top_extra or {}),
+        kv_transfer_params=None,
     )  # fmt: skip
+    body.update(s.top_extra or {})
+    return body
 
 
 def _text_body(t: _Turn) -> Json:
     s, toks = t.script, t.tokens()
     choice = dict(index=0, text=s.content or "", logprobs=t.text_logprobs(toks, 0), finish_reason=s.finish_reason)
     choice.update(stop_reason=None, token_ids=t.ids(toks), prompt_logprobs=None)
-    choice.update(prompt_token_ids=t.prompt_token_ids(), **(s.choice_extra or {}))
-    return t.envelope(
+    choice.update(prompt_token_ids=t.prompt_token_ids())
+    choice.update(s.choice_extra or {})
+    body = t.envelope(
         "text_completion", choices=[choice], service_tier=None, system_fingerprint=None,
-        usage=t.usage(stream=False), kv_transfer_params=None, **(s.top_extra or {}),
+        usage=t.usage(stream=False), kv_transfer_params=None,
     )  # fmt: skip
+    body.update(s.top_extra or {})
+    return body
 
 
 def _frame(obj: Json) -> bytes:
