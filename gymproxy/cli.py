@@ -20,7 +20,7 @@ from aiohttp import web
 
 from . import __version__
 from .config import Config, ConfigError, load_config, upstream_specs
-from .plugin import create_app
+from .plugin import PROXIES, admin_app, create_app
 
 log = logging.getLogger("gymproxy")
 
@@ -57,6 +57,9 @@ def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fa
     app = create_app(config)
     if fake_port is not None:
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
+    if config.access.admin_port is not None:
+        app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
+    _raise_open_files(config.limits.open_files)
     log.info("gymproxy %s listening on http://%s:%d (pid %d)", __version__, config.host, config.port, os.getpid())
     web.run_app(
         app,
@@ -65,9 +68,46 @@ def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fa
         reuse_port=reuse_port or None,
         access_log=logging.getLogger("aiohttp.access") if config.access_log else None,
         handler_cancellation=True,
+        shutdown_timeout=config.shutdown_grace_s,
         print=None,
         loop=_new_loop(),
     )
+
+
+def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Any:
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        runner = web.AppRunner(admin_app(proxy), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.access.admin_port, reuse_port=reuse_port or None)
+        await site.start()
+        log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
+        yield
+        await runner.cleanup()
+
+    return lifetime
+
+
+def _raise_open_files(target: int) -> None:
+    """Thousands of concurrent rollouts need thousands of sockets: raise `ulimit -n` where allowed."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit to %d: %s", wanted, exc)
+    if soft < target:
+        log.warning(
+            "open-file limit is %d (< %d): thousands of concurrent sessions may fail with 'Too many open files'; "
+            "raise it with `ulimit -n`",
+            soft,
+            target,
+        )
 
 
 def serve_workers(config: Config, workers: int, *, fake_port: int | None = None) -> None:

@@ -73,6 +73,24 @@ class Health(Settings, frozen=True, kw_only=True):
     timeout: Seconds = 2.0
 
 
+class Access(Settings, frozen=True, kw_only=True):
+    """Inbound access control. With no keys, gymproxy is open (it usually sits on a private network)."""
+
+    api_keys: list[str] = []  # accepted `Authorization: Bearer <key>` values
+    api_keys_file: str | None = None  # one key per line, read at startup ("#" starts a comment)
+    admin_port: Port | None = None  # serve /health and /metrics only on this port (`gymproxy serve`)
+    admin_requires_key: bool = False  # /health and /metrics need a key too
+
+
+class Limits(Settings, frozen=True, kw_only=True):
+    """Caps that keep one busy upstream or one huge client from taking the proxy down."""
+
+    max_inflight_per_upstream: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: no cap
+    when_full: Literal["queue", "reject"] = "queue"  # past the cap: wait for a slot, or answer 503
+    max_header_size: Annotated[int, msgspec.Meta(ge=1024)] = 16384  # bytes per header line
+    open_files: Annotated[int, msgspec.Meta(ge=0)] = 65536  # raise `ulimit -n` to this at startup
+
+
 class Config(Settings, frozen=True, kw_only=True):
     """Everything gymproxy needs; NeMo Gym's `vllm_model` keys keep their names and defaults."""
 
@@ -128,6 +146,10 @@ class Config(Settings, frozen=True, kw_only=True):
     # A `: keep-alive` comment is sent on a stream after this much upstream silence.
     stream_keepalive_s: Seconds = 15.0
     access_log: bool = False
+    access: Access = Access()
+    limits: Limits = Limits()
+    # On SIGTERM: stop accepting, let in-flight requests and streams finish for this long.
+    shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
 
 # Options NeMo Gym has that gymproxy does not implement: refused at startup, never ignored silently.
@@ -199,6 +221,14 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
     except msgspec.ValidationError as exc:
         raise ConfigError(f"config: {exc}") from exc
     _check(config)
+    if config.access.api_keys_file is not None:
+        try:
+            lines = Path(config.access.api_keys_file).read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"config: access.api_keys_file: cannot read {config.access.api_keys_file}: {exc}") from exc
+        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
+        config = msgspec.structs.replace(config, access=access)
     if config.pinning.secret is None and environ.get(config.pinning.secret_env):
         pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
         config = msgspec.structs.replace(config, pinning=pinning)

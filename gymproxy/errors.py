@@ -3,6 +3,7 @@
 GymproxyError                   500 server_error
 ├── BadRequest                  400 invalid_request_error   (the client's request is wrong)
 │   └── PayloadTooLarge         413 invalid_request_error
+├── Unauthorized                401 invalid_request_error   (no valid inbound API key)
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
 │   └── UpstreamTimeout         504 upstream_error
@@ -55,6 +56,14 @@ class PayloadTooLarge(BadRequest):
     """The request body is over `max_body_size`."""
 
     status = 413
+
+
+class Unauthorized(GymproxyError):
+    """The request carries no valid `Authorization: Bearer <key>` (401)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class UpstreamStatus(GymproxyError):

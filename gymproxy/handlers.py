@@ -28,7 +28,7 @@ from .schemas.chat import COMPLETION_DECODER, ChatRequestView
 from .schemas.responses import REQUEST_DECODER, ResponsesRequest
 from .state import Proxy
 from .streaming import SSE_HEADERS, relay_chat, relay_responses, replay_chat, replay_responses
-from .upstream import Upstream, read, set_pin_cookie
+from .upstream import Upstream, read, stamp
 
 JSON = "application/json"
 
@@ -56,7 +56,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
                     if config.return_token_id_information:
 
                         async def tokens_of(reply: dict[str, Any]) -> TokenInfo:
-                            return await _token_info(proxy, upstream, body, reply)
+                            return await _token_info(proxy, request, upstream, body, reply)
 
                     return await relay_responses(
                         request, up, upstream, translator, interval=config.stream_keepalive_s, tokens=tokens_of
@@ -69,7 +69,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
         upstream, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(req.user, config))
         local = _check_reply(proxy, status, payload) if status != 200 else None
         if local is None and config.return_token_id_information:
-            tokens = await _token_info(proxy, upstream, body, _json_reply(payload))
+            tokens = await _token_info(proxy, request, upstream, body, _json_reply(payload))
     if isinstance(local, web.Response):
         return local
     if local is not None:
@@ -132,7 +132,7 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
             if config.return_token_id_information:
                 reply = _json_reply(payload)
                 _fold_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued)
-                attach_to_chat(reply, await _token_info(proxy, upstream, body, reply))
+                attach_to_chat(reply, await _token_info(proxy, request, upstream, body, reply))
                 payload = orjson.dumps(reply)
             elif b'"reasoning' in payload:  # most replies carry no reasoning field: their bytes go back untouched
                 reply = _json_reply(payload)
@@ -207,7 +207,7 @@ async def _forward(
         response.content_type = up.content_type
         if up.content_type == "text/event-stream":
             response.headers.update(SSE_HEADERS)
-        set_pin_cookie(request, response)
+        stamp(request, response)
         await response.prepare(request)
         try:
             async for chunk in up.content.iter_any():
@@ -328,11 +328,13 @@ def _fold_reasoning(reply: dict[str, Any], *, parser: bool, continued: bool) -> 
     return changed
 
 
-async def _token_info(proxy: Proxy, upstream: Upstream, body: dict[str, Any], reply: dict[str, Any]) -> TokenInfo:
+async def _token_info(
+    proxy: Proxy, request: web.Request, upstream: Upstream, body: dict[str, Any], reply: dict[str, Any]
+) -> TokenInfo:
     """Training mode: the reply's token ids, asking the same upstream's /tokenize for the prompt if needed."""
     info = from_reply(reply)
     if info.prompt_token_ids is None:
-        status, payload = await proxy.pool.call_upstream(upstream, "tokenize", ENCODER.encode(tokenize_body(body)))
+        status, payload = await proxy.pool.call_upstream(request, upstream, "tokenize", ENCODER.encode(tokenize_body(body)))
         if status != 200:
             raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
         info.prompt_token_ids = prompt_ids_from_tokenize(_json_reply(payload))

@@ -7,6 +7,9 @@ app-wide middleware and several instances can live in one app under different pr
 from __future__ import annotations
 
 import asyncio
+import hmac
+import re
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
@@ -14,9 +17,9 @@ from aiohttp import web
 
 from . import handlers
 from .config import Config
-from .errors import Handler, openai_errors
+from .errors import Handler, Unauthorized, openai_errors
 from .state import Proxy
-from .upstream import TRACE, set_pin_cookie
+from .upstream import REQUEST_ID, TRACE, stamp
 
 PROXIES: Final = web.AppKey("gymproxy.proxies", list[Proxy])
 
@@ -24,7 +27,11 @@ BoundHandler = Callable[[Proxy, web.Request], Awaitable[web.StreamResponse]]
 
 
 def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
-    """Install gymproxy's routes under `prefix` and open its upstream session with the app."""
+    """Install gymproxy's routes under `prefix` and open its upstream session with the app.
+
+    With `access.admin_port` set, /health and /metrics are left out: serve `admin_app(proxy)`
+    on that port (`gymproxy serve` does).
+    """
     if prefix and (not prefix.startswith("/") or prefix.endswith("/")):
         raise ValueError(f"gymproxy.setup: prefix {prefix!r} must start with '/' and not end with one")
     proxy = Proxy(config)
@@ -36,43 +43,94 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
 
     app.cleanup_ctx.append(lifetime)
     app.setdefault(PROXIES, []).append(proxy)
-
-    metrics = proxy.metrics
-    loop_time = _loop_time
-
-    def bind(handler: BoundHandler, route: str) -> Handler:
-        async def bound(request: web.Request) -> web.StreamResponse:
-            return await handler(proxy, request)
-
-        bound.__name__ = handler.__name__
-        rendered = openai_errors(bound)
-
-        async def served(request: web.Request) -> web.StreamResponse:
-            start = loop_time()
-            request[TRACE] = (metrics, route, start)
-            response = await rendered(request)
-            if not response.prepared:
-                set_pin_cookie(request, response)  # errors of a new session carry its cookie too
-            metrics.requests[(route, response.status)] += 1
-            metrics.duration.observe(route, loop_time() - start)
-            return response
-
-        served.__name__ = handler.__name__
-        return served
-
     responses = handlers.responses_native if config.is_responses_native else handlers.responses
-    app.router.add_routes(
-        [
-            web.post(f"{prefix}/v1/responses", bind(responses, "/v1/responses")),
-            web.post(f"{prefix}/v1/chat/completions", bind(handlers.chat_completions, "/v1/chat/completions")),
-            web.post(f"{prefix}/v1/completions", bind(handlers.relay("completions"), "/v1/completions")),
-            web.post(f"{prefix}/tokenize", bind(handlers.relay("tokenize"), "/tokenize")),
-            web.get(f"{prefix}/v1/models", bind(handlers.models, "/v1/models")),
-            web.get(f"{prefix}/health", bind(handlers.health, "/health")),
-            web.get(f"{prefix}/metrics", bind(handlers.metrics, "/metrics")),
-        ]
-    )
+    api = [
+        ("POST", "/v1/responses", responses),
+        ("POST", "/v1/chat/completions", handlers.chat_completions),
+        ("POST", "/v1/completions", handlers.relay("completions")),
+        ("POST", "/tokenize", handlers.relay("tokenize")),
+        ("GET", "/v1/models", handlers.models),
+    ]
+    routes = []
+    for method, path, handler in api:
+        bound = bind(proxy, handler, path)
+        routes.append(web.route(method, prefix + path, bound))
+        # NeMo Gym's rollout-scoped URLs: the prefix only labels the rollout.
+        for scope in ROLLOUT_SCOPES:
+            routes.append(web.route(method, prefix + scope + path, bound))
+    if config.access.admin_port is None:
+        routes += _admin_routes(proxy, prefix)
+    app.router.add_routes(routes)
     return proxy
+
+
+ROLLOUT_SCOPES = ("/ng-rollout/{rollout_id}", "/ng-rollout/{rollout_id}/training-token-capture")
+
+
+def admin_app(proxy: Proxy) -> web.Application:
+    """/health and /metrics alone, for `access.admin_port`."""
+    app = web.Application()
+    app.router.add_routes(_admin_routes(proxy, ""))
+    return app
+
+
+def _admin_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
+    admin = not proxy.config.access.admin_requires_key
+    return [
+        web.get(prefix + "/health", bind(proxy, handlers.health, "/health", open_route=admin)),
+        web.get(prefix + "/metrics", bind(proxy, handlers.metrics, "/metrics", open_route=admin)),
+    ]
+
+
+def bind(proxy: Proxy, handler: BoundHandler, route: str, *, open_route: bool = False) -> Handler:
+    """A route handler: access check, request id, errors rendered, cookie and metrics recorded."""
+    metrics = proxy.metrics
+    keys = [key.encode() for key in proxy.config.access.api_keys] if not open_route else []
+
+    async def bound(request: web.Request) -> web.StreamResponse:
+        if keys and not _authorized(request, keys):
+            raise Unauthorized("a valid `Authorization: Bearer <key>` header is required")
+        return await handler(proxy, request)
+
+    bound.__name__ = handler.__name__
+    rendered = openai_errors(bound)
+
+    async def served(request: web.Request) -> web.StreamResponse:
+        start = _loop_time()
+        request[REQUEST_ID] = _request_id(request)
+        request[TRACE] = (metrics, route, start)
+        response = await rendered(request)
+        if not response.prepared:
+            stamp(request, response)  # errors of a new session carry its cookie too
+        metrics.requests[(route, response.status)] += 1
+        metrics.duration.observe(route, _loop_time() - start)
+        return response
+
+    served.__name__ = handler.__name__
+    return served
+
+
+def _authorized(request: web.Request, keys: list[bytes]) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    given = token.strip().encode()
+    ok = False
+    for key in keys:  # every key is compared, in constant time, so timing tells nothing
+        ok |= hmac.compare_digest(given, key)
+    return ok
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is sane, else a fresh one."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        return given
+    return secrets.token_hex(16)
 
 
 def _loop_time() -> float:
@@ -81,6 +139,9 @@ def _loop_time() -> float:
 
 def create_app(config: Config) -> web.Application:
     """A standalone app; it can also be mounted with `host.add_subapp("/llm", create_app(config))`."""
-    app = web.Application(client_max_size=config.max_body_size, handler_args={"max_field_size": 16384})
+    limit = config.limits.max_header_size
+    app = web.Application(
+        client_max_size=config.max_body_size, handler_args={"max_field_size": limit, "max_line_size": limit}
+    )
     setup(app, config)
     return app

@@ -25,7 +25,7 @@ from .schemas import ENCODER
 from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
-from .upstream import TRACE, Upstream, set_pin_cookie
+from .upstream import TRACE, Upstream, stamp
 
 log = logging.getLogger("gymproxy")
 
@@ -90,7 +90,7 @@ class SSEWriter:
 
 async def open_stream(request: web.Request, interval: float) -> SSEWriter:
     response = web.StreamResponse(headers=SSE_HEADERS)
-    set_pin_cookie(request, response)  # headers go out with prepare(): the cookie must be on them
+    stamp(request, response)  # headers go out with prepare(): the cookie must be on them
     await response.prepare(request)
     return SSEWriter(response, interval, request.get(TRACE))
 

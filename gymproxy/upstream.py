@@ -21,7 +21,7 @@ from aiohttp import web
 from yarl import URL
 
 from .config import Config, UpstreamSpec, upstream_specs
-from .errors import UpstreamError, UpstreamTimeout
+from .errors import GymproxyError, UpstreamError, UpstreamTimeout
 from .metrics import Metrics
 from .pinning import Pinner, Signer
 
@@ -33,6 +33,14 @@ LARGE_BODY = 1024 * 1024
 _RequestKey: Any = getattr(web, "RequestKey", None)
 PIN: Any = _RequestKey("gymproxy.pin", tuple) if _RequestKey else "gymproxy.pin"  # (cookie name, value, max age)
 TRACE: Any = _RequestKey("gymproxy.trace", tuple) if _RequestKey else "gymproxy.trace"  # (metrics, route, start)
+REQUEST_ID: Any = _RequestKey("gymproxy.request_id", str) if _RequestKey else "gymproxy.request_id"
+
+
+class Saturated(GymproxyError):
+    """The upstream is at its configured concurrency cap and `when_full` is `reject` (503)."""
+
+    status = 503
+    type = "upstream_error"
 
 
 class NotConnected(UpstreamError):
@@ -42,7 +50,7 @@ class NotConnected(UpstreamError):
 class Upstream:
     """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
-    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy")
+    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy", "_slots", "_reject")
 
     def __init__(self, spec: UpstreamSpec, config: Config) -> None:
         self.name = spec.name or spec.url
@@ -69,6 +77,22 @@ class Upstream:
         }
         self.inflight = 0
         self.healthy = True
+        cap = config.limits.max_inflight_per_upstream
+        self._slots = asyncio.Semaphore(cap) if cap else None
+        self._reject = config.limits.when_full == "reject"
+
+    async def acquire(self) -> None:
+        """Take an in-flight slot; past `limits.max_inflight_per_upstream`, wait or refuse (503)."""
+        if self._slots is not None:
+            if self._reject and self._slots.locked():
+                raise Saturated(f"upstream {self.base_url} has {self.inflight} requests in flight, its configured cap")
+            await self._slots.acquire()
+        self.inflight += 1
+
+    def release(self) -> None:
+        self.inflight -= 1
+        if self._slots is not None:
+            self._slots.release()
 
     def __repr__(self) -> str:  # never shows the api key
         return f"Upstream({self.base_url!r})"
@@ -110,7 +134,7 @@ class UpstreamPool:
             raise
         finally:
             response.release()
-            upstream.inflight -= 1
+            upstream.release()
 
     async def call(
         self, request: web.Request, route: str, data: bytes | None = None, *, method: str = "POST", key: str | None = None
@@ -119,20 +143,25 @@ class UpstreamPool:
         async with self.request(request, route, data, method=method, key=key) as (upstream, response):
             return upstream, response.status, await read(response)
 
-    async def call_upstream(self, upstream: Upstream, route: str, data: bytes) -> tuple[int, bytes]:
+    async def call_upstream(self, request: web.Request, upstream: Upstream, route: str, data: bytes) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize)."""
-        upstream.inflight += 1
+        await upstream.acquire()
         try:
-            response = await self._open(upstream, route, data, "POST")
+            response = await self._open(request, upstream, route, data, "POST")
             async with response:
                 return response.status, await read(response)
         finally:
-            upstream.inflight -= 1
+            upstream.release()
 
-    async def _open(self, upstream: Upstream, route: str, data: bytes | None, method: str) -> aiohttp.ClientResponse:
+    async def _open(
+        self, request: web.Request, upstream: Upstream, route: str, data: bytes | None, method: str
+    ) -> aiohttp.ClientResponse:
         """One attempt; failures are counted and mapped to 502/504 naming the URL."""
         url = upstream.urls[route]
-        headers = {**upstream.headers, **JSON_HEADERS} if data is not None else upstream.headers
+        headers = {**upstream.headers, **JSON_HEADERS} if data is not None else dict(upstream.headers)
+        request_id = request.get(REQUEST_ID)
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
         body: bytes | io.BytesIO | None = data
         if data is not None and len(data) > LARGE_BODY:
             body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
@@ -162,17 +191,17 @@ class UpstreamPool:
             if pin.cookie is not None:
                 request[PIN] = (self.cookie_name, pin.cookie, self.config.pinning.max_age)
             upstream = pin.upstream
-            upstream.inflight += 1
+            await upstream.acquire()
             try:
-                return upstream, await self._open(upstream, route, data, method)
+                return upstream, await self._open(request, upstream, route, data, method)
             except NotConnected:
                 # Never connected, so vLLM never saw the request: safe to try another upstream.
-                upstream.inflight -= 1
+                upstream.release()
                 tried.append(upstream)
                 if not any(u.healthy and u not in tried for u in self.upstreams):
                     raise
             except BaseException:
-                upstream.inflight -= 1
+                upstream.release()
                 raise
 
     def _count(self, upstream: Upstream, status: int) -> None:
@@ -236,8 +265,12 @@ async def read(response: aiohttp.ClientResponse) -> bytes:
         raise UpstreamError(f"upstream {_show(response.url)} broke off its reply: {_why(exc)}") from exc
 
 
-def set_pin_cookie(request: web.Request, response: web.StreamResponse) -> None:
-    """Give a new or re-pinned session its cookie; call before the response is prepared."""
+def stamp(request: web.Request, response: web.StreamResponse) -> None:
+    """The headers every response carries: the request id, and a new session's pin cookie.
+    Call before the response is prepared."""
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["X-Request-Id"] = request_id
     pin = request.get(PIN)
     if pin is not None:
         name, value, max_age = pin

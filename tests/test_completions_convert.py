@@ -27,7 +27,8 @@ from gymproxy.errors import BadRequest, UpstreamError
 
 def cfg(**fields: Any) -> Config:
     # Built directly: these functions read fields only, and _check is tested on its own below.
-    return Config(base_url=["http://vllm:8000/v1"], model="base-model", use_completions_api=True, **fields)
+    fields = {"base_url": ["http://vllm:8000/v1"], "model": "base-model", "use_completions_api": True, **fields}
+    return Config(**fields)
 
 
 def user(content: Any) -> dict[str, Any]:
@@ -113,7 +114,10 @@ def test_raw_refuses_other_role_shapes(messages: list[dict[str, Any]], param: st
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
-        ([user([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}])], "messages[0].content[1]"),
+        (
+            [user([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}])],
+            "messages[0].content[1]",
+        ),
         ([system("s"), user([{"type": "input_audio", "input_audio": {}}])], "messages[1].content[0]"),
         ([user(["bare string part"])], "messages[0].content[0]"),
         ([user(None)], "messages[0].content"),
@@ -213,6 +217,13 @@ def test_body_minimal() -> None:
         "reasoning_effort": "high",
     }
     assert to_completions_body(chat, cfg(), "PROMPT") == {"model": "base-model", "prompt": "PROMPT"}
+
+
+def test_body_keeps_the_client_model_when_none_is_configured() -> None:
+    config = cfg(model=None)
+    body = to_completions_body({"model": "client-model"}, config, "P")
+    assert body == {"model": "client-model", "prompt": "P"}
+    assert tokenize_body(config, "P", body) == {"model": "client-model", "prompt": "P"}
 
 
 def test_body_passes_the_listed_fields_under_the_same_name() -> None:
@@ -342,7 +353,11 @@ def test_tokenize_body() -> None:
     config = cfg()
     assert tokenize_body(config, "P", {"model": "base-model", "prompt": "P"}) == {"model": "base-model", "prompt": "P"}
     completion_body = to_completions_body({}, cfg(extra_body={"add_special_tokens": False}), "P")
-    assert tokenize_body(config, "P", completion_body) == {"model": "base-model", "prompt": "P", "add_special_tokens": False}
+    assert tokenize_body(config, "P", completion_body) == {
+        "model": "base-model",
+        "prompt": "P",
+        "add_special_tokens": False,
+    }
 
 
 # --- reply wrapping (step 10) -----------------------------------------------------------------
@@ -423,17 +438,25 @@ def test_reply_logprobs_outside_training_become_chat_logprobs() -> None:
     choice = to_chat_completion(reply, cfg(), training=False)["choices"][0]
     assert choice["logprobs"] == {
         "content": [
-            {"token": "t5", "logprob": -0.5, "bytes": None, "top_logprobs": [{"token": "t5", "logprob": -0.5, "bytes": None}]},
-            {"token": "t6", "logprob": -1.0, "bytes": None, "top_logprobs": [{"token": "t6", "logprob": -1.0, "bytes": None}]},
+            {
+                "token": "t5",
+                "logprob": -0.5,
+                "bytes": None,
+                "top_logprobs": [{"token": "t5", "logprob": -0.5, "bytes": None}],
+            },
+            {
+                "token": "t6",
+                "logprob": -1.0,
+                "bytes": None,
+                "top_logprobs": [{"token": "t6", "logprob": -1.0, "bytes": None}],
+            },
         ]
     }
     assert "generation_token_ids" not in choice["message"]
 
 
 def test_reply_training_inline_ids() -> None:
-    reply = vllm_reply(
-        token_ids=[11, 12], prompt_token_ids=[1, 2, 3], logprobs=text_logprobs([11, 12], [-0.25, -2])
-    )
+    reply = vllm_reply(token_ids=[11, 12], prompt_token_ids=[1, 2, 3], logprobs=text_logprobs([11, 12], [-0.25, -2]))
     choice = to_chat_completion(reply, cfg(return_token_id_information=True), training=True)["choices"][0]
     assert choice["message"] == {
         "role": "assistant",
@@ -456,7 +479,9 @@ def test_reply_training_ids_from_logprob_tokens() -> None:
 
 def test_reply_training_inline_ids_win_over_logprob_tokens() -> None:
     logprobs = {"tokens": ["hello", "world"], "token_logprobs": [-1.0, -2.0]}
-    message = to_chat_completion(vllm_reply(token_ids=[3, 4], logprobs=logprobs), cfg(), training=True)["choices"][0]["message"]
+    message = to_chat_completion(vllm_reply(token_ids=[3, 4], logprobs=logprobs), cfg(), training=True)["choices"][0][
+        "message"
+    ]
     assert message["generation_token_ids"] == [3, 4]
 
 
@@ -478,7 +503,10 @@ def test_reply_training_zero_tokens() -> None:
         ({"logprobs": None}, "Cannot extract token IDs or logprobs"),
         ({"logprobs": {"tokens": ["token_id:1"], "token_logprobs": None}}, "Cannot extract token IDs or logprobs"),
         ({"logprobs": {"token_logprobs": [-1.0]}}, "neither choice.token_ids nor choice.logprobs.tokens"),
-        ({"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}}, r"tokens\[0\] must use the `token_id:<int>` format"),
+        (
+            {"logprobs": {"tokens": ["hello"], "token_logprobs": [-1.0]}},
+            r"tokens\[0\] must use the `token_id:<int>` format",
+        ),
         ({"logprobs": {"tokens": [None], "token_logprobs": [-1.0]}}, r"tokens\[0\] must use"),
         ({"logprobs": {"tokens": ["token_id:1"], "token_logprobs": ["x"]}}, "numeric log probabilities"),
         ({"logprobs": {"tokens": ["token_id:1"], "token_logprobs": [True]}}, "numeric log probabilities"),
@@ -515,7 +543,9 @@ def text_chunk(*choices: dict[str, Any], usage: Any = None, **top: Any) -> dict[
     return {**base, "choices": list(choices), "usage": usage, **top}
 
 
-def piece(text: str, ids: list[int], *, first: bool = False, finish: str | None = None, index: int = 0) -> dict[str, Any]:
+def piece(
+    text: str, ids: list[int], *, first: bool = False, finish: str | None = None, index: int = 0
+) -> dict[str, Any]:
     values = [-0.1 * (i + 1) for i in range(len(ids))]
     return {
         "index": index,
@@ -603,7 +633,11 @@ def test_stream_token_fields_from_tokens_without_prompt_ids() -> None:
     for ids in ([10], [11]):
         choice = {"index": 0, "text": "x", "logprobs": text_logprobs(ids, [-1.0]), "finish_reason": None}
         chunks.feed(text_chunk(choice))
-    assert chunks.token_fields() == {"prompt_token_ids": None, "generation_token_ids": [10, 11], "generation_log_probs": [-1.0, -1.0]}
+    assert chunks.token_fields() == {
+        "prompt_token_ids": None,
+        "generation_token_ids": [10, 11],
+        "generation_log_probs": [-1.0, -1.0],
+    }
 
 
 def test_stream_token_fields_without_logprobs_is_an_upstream_error() -> None:
@@ -617,7 +651,10 @@ def test_stream_each_choice_gets_the_role_on_its_first_chunk() -> None:
     chunks = CompletionChunks(cfg())
     first = chunks.feed(text_chunk({"index": 0, "text": "a"}, {"index": 1, "text": "b"}))
     second = chunks.feed(text_chunk({"index": 1, "text": "c"}, {"index": 0, "text": "d"}))
-    assert [c["delta"] for c in first["choices"]] == [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert [c["delta"] for c in first["choices"]] == [
+        {"role": "assistant", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
     assert [c["delta"] for c in second["choices"]] == [{"content": "c"}, {"content": "d"}]
     assert [c["logprobs"] for c in second["choices"]] == [None, None]
     assert "token_ids" not in second["choices"][0]
@@ -697,7 +734,10 @@ def test_render_passes_no_tools_as_none(tools: Any) -> None:
 @pytest.mark.parametrize(
     ("messages", "param"),
     [
-        ([user("u"), {"role": "assistant", "content": [{"type": "image_url", "image_url": {}}]}], "messages[1].content[0]"),
+        (
+            [user("u"), {"role": "assistant", "content": [{"type": "image_url", "image_url": {}}]}],
+            "messages[1].content[0]",
+        ),
         ([user({"type": "text"})], "messages[0].content"),
         (["not a message"], "messages[0]"),
     ],
@@ -776,7 +816,11 @@ def test_template_renders_multi_turn_tools_and_think(template: ChatTemplate) -> 
     messages = [
         system("Be kind."),
         user([{"type": "input_text", "text": "what is "}, {"type": "text", "text": "the weather"}]),
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "assistant", "content": "<think>it is sunny</think>Sunny."},
         user("thanks"),
@@ -804,7 +848,9 @@ def test_template_kwargs_reach_the_template(template: ChatTemplate) -> None:
 
 
 def test_template_raise_exception_is_a_bad_request(tmp_path: Path) -> None:
-    strict = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}x"
+    strict = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}x"
+    )
     template = ChatTemplate.load(save_tokenizer(tmp_path, strict))
     assert template.render([user("u")], None, {}) == "x"
     err = bad_request(template.render, [system("s"), user("u")], None, {})

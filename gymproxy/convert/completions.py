@@ -117,7 +117,9 @@ def _flatten(message: Any, index: int) -> str:
             )
         text = part.get("text", "")
         if not isinstance(text, str):
-            raise BadRequest("a text content block's `text` must be a string", param=f"messages[{index}].content[{j}].text")
+            raise BadRequest(
+                "a text content block's `text` must be a string", param=f"messages[{index}].content[{j}].text"
+            )
         texts.append(text)
     return "".join(texts)
 
@@ -169,9 +171,14 @@ class ChatTemplate:
             )
         except self._refusals as exc:
             # The template refused these messages (e.g. `raise_exception("roles must alternate")`).
-            raise BadRequest(f"the chat template of {self.name!r} cannot render this request: {exc}", param="messages") from exc
+            raise BadRequest(
+                f"the chat template of {self.name!r} cannot render this request: {exc}", param="messages"
+            ) from exc
         if not isinstance(prompt, str):
-            raise BadRequest("chat_template_kwargs made the chat template return something other than text", param="chat_template_kwargs")
+            raise BadRequest(
+                "chat_template_kwargs made the chat template return something other than text",
+                param="chat_template_kwargs",
+            )
         return prompt
 
 
@@ -226,7 +233,9 @@ def check_chat_body(chat_body: dict[str, Any], config: Config) -> bool:
 def to_completions_body(chat_body: dict[str, Any], config: Config, prompt: str) -> dict[str, Any]:
     """The /v1/completions body for a chat request whose messages rendered to `prompt` (spec 10 steps 6-7)."""
     training = config.return_token_id_information
-    body: dict[str, Any] = {"model": config.model, "prompt": prompt}
+    # Without a configured model the client's stands, as on the chat path.
+    model = config.model if config.model is not None else chat_body.get("model")
+    body: dict[str, Any] = {"model": model, "prompt": prompt}
     for key in PASSED_FIELDS:
         if key in chat_body:
             body[key] = chat_body[key]
@@ -258,7 +267,7 @@ def to_completions_body(chat_body: dict[str, Any], config: Config, prompt: str) 
 
 def tokenize_body(config: Config, prompt: str, completion_body: dict[str, Any]) -> dict[str, Any]:
     """The /tokenize request giving the prompt ids vLLM did not return (spec 10 step 9)."""
-    body: dict[str, Any] = {"model": config.model, "prompt": prompt}
+    body: dict[str, Any] = {"model": completion_body.get("model", config.model), "prompt": prompt}
     if "add_special_tokens" in completion_body:
         body["add_special_tokens"] = completion_body["add_special_tokens"]
     return body

@@ -1,0 +1,73 @@
+"""Smoke tests of bench/: each script runs for about a second and reports sane numbers.
+
+Timings are never asserted (the machine may be busy): only that every target answered every
+scenario correctly, that throughput is positive and that CPU figures are present.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="CPU accounting reads /proc")
+
+
+def run(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=timeout, cwd=BENCH
+    )
+    assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_data_matches_its_generator() -> None:
+    assert "up to date" in run("make_data.py", "--check").stdout
+
+
+def test_bench_proxy_runs_every_scenario_against_every_target() -> None:
+    result = run(
+        "bench_proxy.py", "--duration", "0.5", "--warmup", "0.1", "--rounds", "1", "--concurrency", "2",
+        "--chunk-interval", "0.0005", "--json",
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    summary = report["summary"]
+    assert set(summary) == {"chat", "chat-tool", "responses", "responses-multiturn", "chat-stream", "responses-stream"}
+    for scenario, rows in summary.items():
+        assert set(rows) == {"upstream", "floor", "gymproxy"}, scenario
+        for target, row in rows.items():
+            where = f"{scenario}/{target}"
+            assert row["errors"] == 0, (where, row["first_error"])
+            assert row["rps"] > 0, where
+            assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"], where
+            assert row["cpu_us"] is not None and row["cpu_us"] >= 0, where
+        assert rows["gymproxy"]["x_floor"] is not None, scenario
+        if scenario.endswith("-stream"):
+            assert rows["floor"]["chunks"] == 200, scenario  # the canned stream, relayed frame for frame
+            assert rows["gymproxy"]["ttfb_p50_ms"] > 0, scenario
+            assert rows["gymproxy"]["extra_us_per_chunk"] is not None, scenario
+    # Each target's reply was checked before the load: the Responses conversion really ran.
+    assert "function_call" in report["checks"]["responses"]["gymproxy"]
+    assert "reasoning" in report["checks"]["responses-stream"]["gymproxy"]
+    assert {goal["goal"] for goal in report["goals"]} >= {"/v1/responses CPU per request vs floor"}
+
+
+def test_bench_proxy_prints_tables() -> None:
+    result = run(
+        "bench_proxy.py", "--scenario", "responses", "--targets", "floor,gymproxy", "--duration", "0.3",
+        "--warmup", "0.1", "--rounds", "1", "--concurrency", "2",
+    )  # fmt: skip
+    assert "CPU µs/req" in result.stdout
+    assert "gymproxy" in result.stdout and "x floor" in result.stdout
+
+
+def test_bench_convert_reports_every_operation() -> None:
+    report = json.loads(run("bench_convert.py", "--min-time", "0.002", "--repeat", "2", "--json").stdout)
+    rows = [value for section in report["sections"].values() for value in section.values()]
+    assert len(report["sections"]) == 6
+    assert rows and all(value["median"] > 0 and value["best"] > 0 for value in rows)
