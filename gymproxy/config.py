@@ -160,8 +160,6 @@ _UNSUPPORTED = {
     "forward_session_id_as_conversation_id": "gymproxy keeps no session ids",
 }
 
-_COMPLETIONS_READY = False  # the /v1/completions backend is being wired into the handlers
-
 _PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
 
 
@@ -251,8 +249,6 @@ def _check(config: Config) -> None:
     for key, why in _UNSUPPORTED.items():
         if getattr(config, key) not in (None, False):
             raise ConfigError(f"config: `{key}` is not supported by gymproxy ({why})")
-    if config.use_completions_api and not _COMPLETIONS_READY:
-        raise ConfigError("config: `use_completions_api` is not available yet in this gymproxy release")
     if config.is_responses_native:
         clashes = [
             key

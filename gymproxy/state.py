@@ -6,6 +6,7 @@ import asyncio
 
 from .config import Config
 from .convert.boundary import Boundary
+from .convert.completions import ChatTemplate
 from .metrics import Metrics
 from .upstream import UpstreamPool, make_session, probe
 
@@ -18,6 +19,9 @@ class Proxy:
         self.boundary = Boundary(config)
         self.metrics = Metrics()
         self.pool = UpstreamPool(config, self.metrics)
+        # The completions backend's chat template, loaded once; a bad tokenizer fails at startup.
+        self.template = ChatTemplate.load(config.tokenizer or config.model or "") if config.render_chat_template else None
+        self.warned_template_kwargs = False
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

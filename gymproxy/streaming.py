@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import orjson
 from aiohttp import web
 
 from .convert.reply import NO_PARSER, empty_completion
@@ -23,7 +24,6 @@ from .convert.tokens import TokenInfo
 from .errors import GymproxyError, UpstreamError
 from .schemas import ENCODER
 from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
-from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
 from .upstream import TRACE, Upstream, stamp
 
@@ -34,7 +34,7 @@ DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 # Upstream troubles after the status line: the stream is ended with an error event.
-READ_ERRORS = (asyncio.TimeoutError, aiohttp.ClientError, SSEError, msgspec.DecodeError, UpstreamError)
+READ_ERRORS = (asyncio.TimeoutError, aiohttp.ClientError, SSEError, msgspec.DecodeError, orjson.JSONDecodeError, UpstreamError)
 
 
 class ClientGone(Exception):
@@ -103,8 +103,10 @@ async def relay_chat(
     fold: ChatReasoningFolder | None,
     parser: bool,
     interval: float,
+    adapt: Callable[[bytes], bytes] | None = None,
 ) -> web.StreamResponse:
-    """vLLM's chat stream to the client: each frame as it arrives, reasoning folded when asked."""
+    """vLLM's chat stream to the client: each frame as it arrives, reasoning folded when asked.
+    `adapt` turns another stream's payloads (the completions backend's) into chat chunks first."""
     writer = await open_stream(request, interval)
     decoder = SSEDecoder()
     done = False
@@ -116,6 +118,8 @@ async def relay_chat(
                 if payload == DONE:
                     done = True
                     continue
+                if adapt is not None:
+                    payload = adapt(payload)
                 chunk = CHUNK_DECODER.decode(payload)  # a chunk that is not JSON ends the stream
                 if chunk.error is not None:
                     out.append(b"data: " + payload + b"\n\n")  # vLLM's own in-stream error
@@ -153,9 +157,11 @@ async def relay_responses(
     translator: ResponsesStream,
     *,
     interval: float,
-    tokens: Callable[[dict[str, Any]], Awaitable[TokenInfo]] | None = None,
+    tokens: Callable[[], Awaitable[TokenInfo]] | None = None,
+    adapt: Callable[[bytes], bytes] | None = None,
 ) -> web.StreamResponse:
-    """vLLM's chat stream to the client as Responses events; `tokens` completes training-mode ids."""
+    """vLLM's chat stream to the client as Responses events; `tokens` gives training-mode ids at
+    the end, and `adapt` turns another stream's payloads into chat chunks first."""
     writer = await open_stream(request, interval)
     decoder = SSEDecoder()
     done = False
@@ -167,6 +173,8 @@ async def relay_responses(
                 if payload == DONE:
                     done = True
                     continue
+                if adapt is not None:
+                    payload = adapt(payload)
                 chunk = CHUNK_DECODER.decode(payload)
                 if chunk.error is not None:
                     raise UpstreamError(_chunk_error(chunk))
@@ -176,7 +184,7 @@ async def relay_responses(
                 await writer.write(frames)
         if not done:
             raise UpstreamError("the stream ended without [DONE]")
-        info = await tokens(translator.token_reply()) if tokens is not None else None
+        info = await tokens() if tokens is not None else None
         tail, _ = translator.finish(info)
     except ClientGone:
         return _gone(up, writer)
