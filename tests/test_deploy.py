@@ -1,0 +1,75 @@
+"""The deployment examples in conf/deploy parse and carry what a deployment needs (no container engine runs here)."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gymproxy import build_config
+
+DEPLOY = Path(__file__).parent.parent / "conf" / "deploy"
+ROOT = DEPLOY.parent.parent
+
+
+def documents(name: str) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc is not None]
+
+
+@pytest.mark.parametrize("name", ["k8s-sidecar.yaml", "k8s-fleet.yaml"])
+def test_kubernetes_examples(name: str) -> None:
+    docs = documents(name)
+    for doc in docs:
+        assert {"apiVersion", "kind", "metadata"} <= doc.keys() and doc["metadata"]["name"]
+    config_maps = [d for d in docs if d["kind"] == "ConfigMap"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    for config_map in config_maps:
+        # The embedded gymproxy config is a real, valid config.
+        config = build_config(yaml.safe_load(config_map["data"]["gymproxy.yaml"]), environ={})
+        assert config.access.admin_port == 9000
+    template = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    (proxy,) = [c for c in template["spec"]["containers"] if c["name"] == "gymproxy"]
+    assert proxy["args"][0] == "serve" and proxy["image"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert proxy[probe]["httpGet"]["path"] == "/health"
+    mounts = {m["name"] for m in proxy["volumeMounts"]}
+    assert mounts <= {v["name"] for v in template["spec"]["volumes"]}
+    secret = [e for e in proxy["env"] if e["name"] == "GYMPROXY_PIN_SECRET"]
+    assert secret, "replicas and workers need one shared pin secret"
+
+
+def test_sidecar_reaches_vllm_on_localhost() -> None:
+    docs = documents("k8s-sidecar.yaml")
+    config = build_config(yaml.safe_load(docs[0]["data"]["gymproxy.yaml"]), environ={})
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (vllm,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm"]
+    port = vllm["ports"][0]["containerPort"]
+    assert config.base_url == [f"http://127.0.0.1:{port}/v1"]
+
+
+def test_systemd_unit() -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment]
+    unit.read_string((DEPLOY / "gymproxy.service").read_text())
+    assert {"Unit", "Service", "Install"} <= set(unit.sections())
+    service = unit["Service"]
+    assert "gymproxy serve --config" in service["ExecStart"]
+    assert service["KillSignal"] == "SIGTERM" and int(service["LimitNOFILE"]) >= 65536
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_dockerfile() -> None:
+    lines = [line.strip() for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[0].startswith("FROM python:3.")
+    for line in lines:
+        if line.startswith("COPY "):
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), source
+    assert any(line.startswith("USER ") and "root" not in line for line in lines)
+    assert 'ENTRYPOINT ["gymproxy"]' in lines
+    assert any(line.startswith("HEALTHCHECK") and "/health" in line for line in lines)
