@@ -215,11 +215,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML config (flat, or NeMo Gym's vllm_model layout)")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
-    serve.add_argument("--upstream", action="append", metavar="URL", help="vLLM base URL ending in /v1; repeat for several")
+    serve.add_argument(
+        "--upstream", action="append", metavar="URL", help="vLLM base URL ending in /v1; repeat for several"
+    )
     serve.add_argument("--model", help="model name sent upstream (default: the client's)")
     serve.add_argument("--api-key", help="bearer token for the upstream")
     serve.add_argument("--server", help="which vllm_model entry of a NeMo Gym config to use")
-    serve.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="resolve ${NAME} (or set a config key)")
+    serve.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="resolve ${NAME} (or set a config key)"
+    )
     serve.add_argument("--workers", type=int, help="worker processes sharing the port (default: num_workers or 1)")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")

@@ -88,7 +88,9 @@ async def serve(
                     return ENCODER.encode(chunks.feed(orjson.loads(payload)))
 
                 if req is None:
-                    return await relay_chat(request, up, upstream, fold=None, parser=True, interval=interval, adapt=adapt)
+                    return await relay_chat(
+                        request, up, upstream, fold=None, parser=True, interval=interval, adapt=adapt
+                    )
                 translator = ResponsesStream(req, model=model, parser=config.uses_reasoning_parser)
 
                 async def stream_tokens() -> TokenInfo:

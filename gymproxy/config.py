@@ -223,7 +223,9 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
         try:
             lines = Path(config.access.api_keys_file).read_text().splitlines()
         except OSError as exc:
-            raise ConfigError(f"config: access.api_keys_file: cannot read {config.access.api_keys_file}: {exc}") from exc
+            raise ConfigError(
+                f"config: access.api_keys_file: cannot read {config.access.api_keys_file}: {exc}"
+            ) from exc
         keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
         config = msgspec.structs.replace(config, access=access)
@@ -314,7 +316,9 @@ def _resolve(node: Any, overrides: Mapping[str, str], environ: Mapping[str, str]
             return overrides[name]
         if name in environ:
             return environ[name]
-        raise ConfigError(f"config: `{where}` uses ${{{name}}}, which is neither given with --set nor in the environment")
+        raise ConfigError(
+            f"config: `{where}` uses ${{{name}}}, which is neither given with --set nor in the environment"
+        )
 
     whole = _PLACEHOLDER.fullmatch(node)
     if whole:

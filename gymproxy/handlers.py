@@ -52,7 +52,10 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     if req.stream:
         translator = ResponsesStream(req, model=model, parser=parser, continued=continued)
         if local is None:
-            async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(req.user, config)) as (upstream, up):
+            async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(req.user, config)) as (
+                upstream,
+                up,
+            ):
                 local = await check_stream(proxy, upstream, up)
                 if local is None:
                     tokens_of = None
@@ -66,10 +69,14 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
                     )
         if isinstance(local, web.Response):
             return local
-        return await replay_responses(request, translator, empty_completion(model, local), interval=config.stream_keepalive_s)
+        return await replay_responses(
+            request, translator, empty_completion(model, local), interval=config.stream_keepalive_s
+        )
     tokens = None
     if local is None:
-        upstream, status, payload = await proxy.pool.call(request, "chat", ENCODER.encode(body), key=_user(req.user, config))
+        upstream, status, payload = await proxy.pool.call(
+            request, "chat", ENCODER.encode(body), key=_user(req.user, config)
+        )
         local = check_reply(proxy, status, payload) if status != 200 else None
         if local is None and config.return_token_id_information:
             tokens = await token_info(proxy, request, upstream, body, json_reply(payload))
@@ -117,7 +124,9 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
     local = _local_answer(config, body)
     if body.get("stream") is True:
         if local is None:
-            async with proxy.pool.request(request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config)) as (
+            async with proxy.pool.request(
+                request, "chat", ENCODER.encode(body), key=_user(body.get("user"), config)
+            ) as (
                 upstream,
                 up,
             ):
@@ -125,7 +134,12 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
                 if local is None:
                     fold = ChatReasoningFolder(continued=continued) if config.uses_reasoning_parser else None
                     return await relay_chat(
-                        request, up, upstream, fold=fold, parser=config.uses_reasoning_parser, interval=config.stream_keepalive_s
+                        request,
+                        up,
+                        upstream,
+                        fold=fold,
+                        parser=config.uses_reasoning_parser,
+                        interval=config.stream_keepalive_s,
                     )
         if isinstance(local, web.Response):
             return local
@@ -215,5 +229,3 @@ async def _forward(
             return response
         await response.write_eof()
         return response
-
-

@@ -34,7 +34,7 @@ class Histogram:
         yield f"# TYPE {name} histogram"
         for label, series in sorted(self.series.items()):
             cumulative = 0.0
-            for bound, count in zip((*self.buckets, "+Inf"), series):
+            for bound, count in zip((*self.buckets, "+Inf"), series, strict=False):
                 cumulative += count
                 yield f'{name}_bucket{{{label_name}="{label}",le="{bound}"}} {cumulative:g}'
             yield f'{name}_count{{{label_name}="{label}"}} {cumulative:g}'
@@ -56,7 +56,9 @@ class Metrics:
         lines += _counter(
             "gymproxy_requests_total", "Requests served, by route and status.", ("route", "status"), self.requests
         )
-        lines += self.duration.render("gymproxy_request_duration_seconds", "Time to serve a request, by route.", "route")
+        lines += self.duration.render(
+            "gymproxy_request_duration_seconds", "Time to serve a request, by route.", "route"
+        )
         lines += self.ttfb.render("gymproxy_stream_ttfb_seconds", "Time to the first streamed byte, by route.", "route")
         lines += _counter(
             "gymproxy_upstream_requests_total",

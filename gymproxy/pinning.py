@@ -66,7 +66,7 @@ def _b64(data: bytes) -> str:
 
 
 class Pin(NamedTuple):
-    upstream: "Upstream"
+    upstream: Upstream
     cookie: str | None  # a new cookie value to set, or None when the client's pin stands
 
 

@@ -93,7 +93,9 @@ async def token_info(
     """Training mode: the reply's token ids, asking the same upstream's /tokenize for the prompt if needed."""
     info = from_reply(reply)
     if info.prompt_token_ids is None:
-        status, payload = await proxy.pool.call_upstream(request, upstream, "tokenize", ENCODER.encode(tokenize_body(body)))
+        status, payload = await proxy.pool.call_upstream(
+            request, upstream, "tokenize", ENCODER.encode(tokenize_body(body))
+        )
         if status != 200:
             raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
         info.prompt_token_ids = prompt_ids_from_tokenize(json_reply(payload))

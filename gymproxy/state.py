@@ -20,7 +20,9 @@ class Proxy:
         self.metrics = Metrics()
         self.pool = UpstreamPool(config, self.metrics)
         # The completions backend's chat template, loaded once; a bad tokenizer fails at startup.
-        self.template = ChatTemplate.load(config.tokenizer or config.model or "") if config.render_chat_template else None
+        self.template = (
+            ChatTemplate.load(config.tokenizer or config.model or "") if config.render_chat_template else None
+        )
         self.warned_template_kwargs = False
         self._tasks: list[asyncio.Task[None]] = []
 

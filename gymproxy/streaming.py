@@ -34,7 +34,14 @@ DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"
 
 # Upstream troubles after the status line: the stream is ended with an error event.
-READ_ERRORS = (asyncio.TimeoutError, aiohttp.ClientError, SSEError, msgspec.DecodeError, orjson.JSONDecodeError, UpstreamError)
+READ_ERRORS = (
+    asyncio.TimeoutError,
+    aiohttp.ClientError,
+    SSEError,
+    msgspec.DecodeError,
+    orjson.JSONDecodeError,
+    UpstreamError,
+)
 
 
 class ClientGone(Exception):
@@ -215,23 +222,34 @@ async def _end(up: aiohttp.ClientResponse, writer: SSEWriter, tail: bytes) -> we
     return writer.response
 
 
-async def replay_responses(request: web.Request, translator: ResponsesStream, completion_body: dict[str, Any], *, interval: float) -> web.StreamResponse:
+async def replay_responses(
+    request: web.Request, translator: ResponsesStream, completion_body: dict[str, Any], *, interval: float
+) -> web.StreamResponse:
     """A proper event stream for an answer made locally (context overflow, blocked turn)."""
     choice = completion_body["choices"][0]
     writer = await open_stream(request, interval)
     frames = translator.start()
-    frames += translator.feed(ChatChunk(created=completion_body["created"], choices=[ChunkChoice(finish_reason=choice["finish_reason"])]))
+    frames += translator.feed(
+        ChatChunk(created=completion_body["created"], choices=[ChunkChoice(finish_reason=choice["finish_reason"])])
+    )
     tail, _ = translator.finish()
     await writer.write(frames + tail)
     await writer.close()
     return writer.response
 
 
-async def replay_chat(request: web.Request, model: str | None, finish_reason: str, *, interval: float) -> web.StreamResponse:
+async def replay_chat(
+    request: web.Request, model: str | None, finish_reason: str, *, interval: float
+) -> web.StreamResponse:
     """The chat stream of a local empty answer: a role chunk, a finish chunk, `[DONE]`."""
     body = empty_completion(model, finish_reason)
     base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": model}
-    first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    first = {
+        **base,
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ],
+    }
     last = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}
     writer = await open_stream(request, interval)
     await writer.write(b"data: " + ENCODER.encode(first) + b"\n\ndata: " + ENCODER.encode(last) + b"\n\n" + DONE_FRAME)

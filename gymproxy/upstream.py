@@ -123,7 +123,13 @@ class UpstreamPool:
 
     @asynccontextmanager
     async def request(
-        self, request: web.Request, route: str, data: bytes | None = None, *, method: str = "POST", key: str | None = None
+        self,
+        request: web.Request,
+        route: str,
+        data: bytes | None = None,
+        *,
+        method: str = "POST",
+        key: str | None = None,
     ) -> AsyncIterator[tuple[Upstream, aiohttp.ClientResponse]]:
         """Send to the request's pinned upstream; the upstream response is closed on exit if unread."""
         upstream, response = await self._send(request, route, data, method, key)
@@ -137,13 +143,21 @@ class UpstreamPool:
             upstream.release()
 
     async def call(
-        self, request: web.Request, route: str, data: bytes | None = None, *, method: str = "POST", key: str | None = None
+        self,
+        request: web.Request,
+        route: str,
+        data: bytes | None = None,
+        *,
+        method: str = "POST",
+        key: str | None = None,
     ) -> tuple[Upstream, int, bytes]:
         """Send a request and read the whole reply: (upstream, status, body)."""
         async with self.request(request, route, data, method=method, key=key) as (upstream, response):
             return upstream, response.status, await read(response)
 
-    async def call_upstream(self, request: web.Request, upstream: Upstream, route: str, data: bytes) -> tuple[int, bytes]:
+    async def call_upstream(
+        self, request: web.Request, upstream: Upstream, route: str, data: bytes
+    ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize)."""
         await upstream.acquire()
         try:
@@ -241,18 +255,30 @@ class UpstreamPool:
         ]
 
     def gauges(self) -> Iterable[tuple[str, str, str, Any]]:
-        yield "gymproxy_upstream_inflight", "gauge", "Requests in flight, by upstream.", lambda: [
-            (f'{{upstream="{u.name}"}}', u.inflight) for u in self.upstreams
-        ]
-        yield "gymproxy_upstream_healthy", "gauge", "1 while the upstream is healthy.", lambda: [
-            (f'{{upstream="{u.name}"}}', int(u.healthy)) for u in self.upstreams
-        ]
-        yield "gymproxy_pins_created_total", "counter", "Sessions pinned for the first time.", lambda: [
-            ("", self.pinner.created)
-        ]
-        yield "gymproxy_pins_repinned_total", "counter", "Pins replaced (invalid cookie or dead upstream).", lambda: [
-            ("", self.pinner.repinned)
-        ]
+        yield (
+            "gymproxy_upstream_inflight",
+            "gauge",
+            "Requests in flight, by upstream.",
+            lambda: [(f'{{upstream="{u.name}"}}', u.inflight) for u in self.upstreams],
+        )
+        yield (
+            "gymproxy_upstream_healthy",
+            "gauge",
+            "1 while the upstream is healthy.",
+            lambda: [(f'{{upstream="{u.name}"}}', int(u.healthy)) for u in self.upstreams],
+        )
+        yield (
+            "gymproxy_pins_created_total",
+            "counter",
+            "Sessions pinned for the first time.",
+            lambda: [("", self.pinner.created)],
+        )
+        yield (
+            "gymproxy_pins_repinned_total",
+            "counter",
+            "Pins replaced (invalid cookie or dead upstream).",
+            lambda: [("", self.pinner.repinned)],
+        )
 
 
 async def read(response: aiohttp.ClientResponse) -> bytes:

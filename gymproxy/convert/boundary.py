@@ -83,7 +83,9 @@ class Boundary:
             # A training client's token metadata on history turns: vLLM does not read it.
             body["messages"] = messages = [{k: v for k, v in m.items() if k not in TOKEN_KEYS} for m in messages]
         if self.split_history:
-            body["messages"] = [self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)]
+            body["messages"] = [
+                self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)
+            ]
         if "top_logprobs" in body and body["top_logprobs"] is None:
             del body["top_logprobs"]  # vLLM reads a null top_logprobs as "no logprobs"
         if extra_body:
@@ -116,7 +118,9 @@ class Boundary:
                 parts.append({**part, "text": THINK.sub("", text)})
             content = parts
         else:
-            raise BadRequest("assistant content must be a string or a list of parts", param=f"messages[{index}].content")
+            raise BadRequest(
+                "assistant content must be a string or a list of parts", param=f"messages[{index}].content"
+            )
         message = {**message, "content": content}
         if found and self.config.uses_interleaved_reasoning:
             # All blocks are kept (NeMo Gym sends only the first).
@@ -147,7 +151,9 @@ def _pop_controls(body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, d
         try:
             value = orjson.loads(raw) if raw else {}
         except (orjson.JSONDecodeError, TypeError):
-            raise BadRequest(f"metadata.{key} must be a JSON object encoded as a string", param=f"metadata.{key}") from None
+            raise BadRequest(
+                f"metadata.{key} must be a JSON object encoded as a string", param=f"metadata.{key}"
+            ) from None
         if not isinstance(value, dict):
             raise BadRequest(f"metadata.{key} must decode to a JSON object", param=f"metadata.{key}")
         controls[key] = value

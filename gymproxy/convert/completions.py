@@ -359,7 +359,7 @@ def chat_logprobs(logprobs: Any) -> dict[str, Any] | None:
     if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
         raise UpstreamError("the upstream's logprobs must hold as many `token_logprobs` as `tokens`")
     content = []
-    for i, (token, value) in enumerate(zip(tokens, values)):
+    for i, (token, value) in enumerate(zip(tokens, values, strict=False)):
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         content.append(
             {

@@ -81,16 +81,23 @@ def output_items(message: AssistantMessage, *, parse_think: bool) -> list[Output
     for call in tool_calls:
         if call.function is not None:
             items.append(
-                FunctionCallItem(arguments=call.function.arguments, call_id=call.id, name=call.function.name, id=call.id)
+                FunctionCallItem(
+                    arguments=call.function.arguments, call_id=call.id, name=call.function.name, id=call.id
+                )
             )
         elif call.custom is not None:
             items.append(
                 CustomToolCallItem(
-                    call_id=call.id, name=str(call.custom.get("name", "")), input=str(call.custom.get("input", "")), id=call.id
+                    call_id=call.id,
+                    name=str(call.custom.get("name", "")),
+                    input=str(call.custom.get("input", "")),
+                    id=call.id,
                 )
             )
         else:
-            raise UpstreamError(f"the upstream returned a tool call of type '{call.type}' with no function or custom body")
+            raise UpstreamError(
+                f"the upstream returned a tool call of type '{call.type}' with no function or custom body"
+            )
     return items
 
 

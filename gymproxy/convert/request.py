@@ -12,6 +12,7 @@ import msgspec
 
 from ..errors import BadRequest
 from ..schemas.responses import (
+    NULL,
     REFUSED_FIELDS,
     AllowedToolsChoice,
     ContentPart,
@@ -22,7 +23,6 @@ from ..schemas.responses import (
     FunctionChoice,
     FunctionTool,
     ImageURL,
-    NULL,
     InputItem,
     ResponsesRequest,
     ToolChoice,
@@ -310,7 +310,9 @@ def _text_format(req: ResponsesRequest, body: dict[str, Any]) -> None:
 def _tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
     if not req.tools:
         if req.tool_choice not in (None, "auto", "none"):
-            raise BadRequest(f"tool_choice={_choice_repr(req.tool_choice)} requires at least one tool", param="tool_choice")
+            raise BadRequest(
+                f"tool_choice={_choice_repr(req.tool_choice)} requires at least one tool", param="tool_choice"
+            )
         return
     body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:

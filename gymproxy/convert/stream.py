@@ -278,7 +278,14 @@ class ResponsesStream:
             self.reasoning_index = self._next_index()
             self.summary_index = -1
             self.summaries = []
-            self._emit(ItemEvent("response.output_item.added", 0, self.reasoning_index, ReasoningItem(id=self.reasoning_id, summary=[])))
+            self._emit(
+                ItemEvent(
+                    "response.output_item.added",
+                    0,
+                    self.reasoning_index,
+                    ReasoningItem(id=self.reasoning_id, summary=[]),
+                )
+            )
             new_block = True
         if new_block:
             self._end_summary()
@@ -286,16 +293,24 @@ class ResponsesStream:
             self.summary = []
             self._emit(
                 SummaryPartEvent(
-                    "response.reasoning_summary_part.added", 0, self.reasoning_id, self.reasoning_index,
-                    self.summary_index, SummaryText(text=""),
+                    "response.reasoning_summary_part.added",
+                    0,
+                    self.reasoning_id,
+                    self.reasoning_index,
+                    self.summary_index,
+                    SummaryText(text=""),
                 )
             )
         if text:
             self.summary.append(text)
             self._emit(
                 SummaryDelta(
-                    "response.reasoning_summary_text.delta", 0, self.reasoning_id, self.reasoning_index,
-                    self.summary_index, text,
+                    "response.reasoning_summary_text.delta",
+                    0,
+                    self.reasoning_id,
+                    self.reasoning_index,
+                    self.summary_index,
+                    text,
                 )
             )
 
@@ -306,7 +321,9 @@ class ResponsesStream:
         rid, index, part = self.reasoning_id, self.reasoning_index, self.summary_index
         assert rid is not None
         self._emit(SummaryDone("response.reasoning_summary_text.done", 0, rid, index, part, text))
-        self._emit(SummaryPartEvent("response.reasoning_summary_part.done", 0, rid, index, part, SummaryText(text=text)))
+        self._emit(
+            SummaryPartEvent("response.reasoning_summary_part.done", 0, rid, index, part, SummaryText(text=text))
+        )
         self.summaries.append(text)
         self.summary = []
 
@@ -331,9 +348,15 @@ class ResponsesStream:
         if self.text_part < 0:
             self.text_part = 1 if self.refusal_part >= 0 else 0
             part = OutputText(text="")
-            self._emit(ContentPartEvent("response.content_part.added", 0, self.message_id, self.message_index, self.text_part, part))
+            self._emit(
+                ContentPartEvent(
+                    "response.content_part.added", 0, self.message_id, self.message_index, self.text_part, part
+                )
+            )
         self.text.append(text)
-        self._emit(TextDelta("response.output_text.delta", 0, self.message_id, self.message_index, self.text_part, text))
+        self._emit(
+            TextDelta("response.output_text.delta", 0, self.message_id, self.message_index, self.text_part, text)
+        )
 
     def _refusal(self, text: str) -> None:
         if self.kind != "message":
@@ -342,9 +365,15 @@ class ResponsesStream:
         if self.refusal_part < 0:
             self.refusal_part = 1 if self.text_part >= 0 else 0
             part = Refusal(refusal="")
-            self._emit(ContentPartEvent("response.content_part.added", 0, self.message_id, self.message_index, self.refusal_part, part))
+            self._emit(
+                ContentPartEvent(
+                    "response.content_part.added", 0, self.message_id, self.message_index, self.refusal_part, part
+                )
+            )
         self.refusal_text.append(text)
-        self._emit(RefusalDelta("response.refusal.delta", 0, self.message_id, self.message_index, self.refusal_part, text))
+        self._emit(
+            RefusalDelta("response.refusal.delta", 0, self.message_id, self.message_index, self.refusal_part, text)
+        )
 
     def _tool_call(self, fragment: dict[str, Any]) -> None:
         index = fragment.get("index", 0)
@@ -363,7 +392,9 @@ class ResponsesStream:
         arguments = function.get("arguments")
         if arguments:
             call.arguments.append(arguments)
-            self._emit(ArgumentsDelta("response.function_call_arguments.delta", 0, call.id, call.output_index, arguments))
+            self._emit(
+                ArgumentsDelta("response.function_call_arguments.delta", 0, call.id, call.output_index, arguments)
+            )
 
     def _close(self) -> None:
         """Emit the `.done` events of the open item."""
@@ -383,12 +414,18 @@ class ResponsesStream:
             if self.text_part >= 0:
                 text = "".join(self.text)
                 self._emit(TextDone("response.output_text.done", 0, mid, index, self.text_part, text))
-                self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.text_part, OutputText(text=text)))
+                self._emit(
+                    ContentPartEvent("response.content_part.done", 0, mid, index, self.text_part, OutputText(text=text))
+                )
                 parts.append((self.text_part, OutputText(text=text)))
             if self.refusal_part >= 0:
                 refusal = "".join(self.refusal_text)
                 self._emit(RefusalDone("response.refusal.done", 0, mid, index, self.refusal_part, refusal))
-                self._emit(ContentPartEvent("response.content_part.done", 0, mid, index, self.refusal_part, Refusal(refusal=refusal)))
+                self._emit(
+                    ContentPartEvent(
+                        "response.content_part.done", 0, mid, index, self.refusal_part, Refusal(refusal=refusal)
+                    )
+                )
                 parts.append((self.refusal_part, Refusal(refusal=refusal)))
             content = [part for _, part in sorted(parts, key=lambda p: p[0])]  # in content_index order
             self._emit(ItemEvent("response.output_item.done", 0, index, MessageItem(id=mid, content=content)))
@@ -396,7 +433,11 @@ class ResponsesStream:
             call = self.open_call
             assert call is not None
             arguments = "".join(call.arguments)
-            self._emit(ArgumentsDone("response.function_call_arguments.done", 0, call.id, call.output_index, call.name, arguments))
+            self._emit(
+                ArgumentsDone(
+                    "response.function_call_arguments.done", 0, call.id, call.output_index, call.name, arguments
+                )
+            )
             item = FunctionCallItem(arguments=arguments, call_id=call.id, name=call.name, id=call.id)
             self._emit(ItemEvent("response.output_item.done", 0, call.output_index, item))
 
@@ -407,7 +448,9 @@ class ResponsesStream:
         return self.output_count - 1
 
     def _snapshot(self, status: str) -> Response:
-        return Response(id=self.id, created_at=time.time(), model=self.model, output=[], status=status, **echo(self.req))
+        return Response(
+            id=self.id, created_at=time.time(), model=self.model, output=[], status=status, **echo(self.req)
+        )
 
     def _emit(self, event: Event) -> None:
         event.sequence_number = self.seq  # type: ignore[attr-defined]

@@ -18,7 +18,14 @@ import msgspec
 from ..errors import UpstreamError
 
 BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-TOKENIZE_FIELDS = ("model", "messages", "tools", "chat_template_kwargs", "mm_processor_kwargs", "required_prefix_token_ids")
+TOKENIZE_FIELDS = (
+    "model",
+    "messages",
+    "tools",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+    "required_prefix_token_ids",
+)
 
 
 class TokenInfo(msgspec.Struct, kw_only=True):

@@ -6,7 +6,7 @@ Every event carries `sequence_number`; `encode_event` frames one as `event: <typ
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -37,7 +37,7 @@ class ContentPartEvent(Event):
     item_id: str
     output_index: int
     content_index: int
-    part: Union[OutputText, Refusal]
+    part: OutputText | Refusal
 
 
 class TextDelta(Event):

@@ -7,7 +7,7 @@ them, as the SDK's item types do.
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal, Union
+from typing import Any, Final, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -93,7 +93,7 @@ class CustomTool(Strict, tag_field="type", tag="custom", kw_only=True):
     defer_loading: bool | None = None
 
 
-Tool = Union[FunctionTool, CustomTool]
+Tool = FunctionTool | CustomTool
 
 
 class FunctionChoice(Strict, tag_field="type", tag="function"):
@@ -114,7 +114,7 @@ class AllowedToolsChoice(Strict, tag_field="type", tag="allowed_tools"):
     tools: list[ToolRef]
 
 
-ToolChoice = Union[Literal["auto", "none", "required"], FunctionChoice, CustomChoice, AllowedToolsChoice]
+ToolChoice = Literal["auto", "none", "required"] | FunctionChoice | CustomChoice | AllowedToolsChoice
 
 
 class ReasoningParams(Strict, kw_only=True):
@@ -146,7 +146,7 @@ class FormatJSONSchema(Strict, tag_field="type", tag="json_schema", kw_only=True
     description: str | None = None
 
 
-TextFormat = Union[FormatText, FormatJSONObject, FormatJSONSchema]
+TextFormat = FormatText | FormatJSONObject | FormatJSONSchema
 
 
 class TextParams(Strict, kw_only=True):
@@ -252,7 +252,7 @@ class Refusal(Reply, tag_field="type", tag="refusal", kw_only=True):
 
 class MessageItem(TokenFields, tag_field="type", tag="message", kw_only=True):
     id: str
-    content: list[Union[OutputText, Refusal]]
+    content: list[OutputText | Refusal]
     role: str = "assistant"
     status: str = "completed"
     phase: None = None
@@ -275,7 +275,7 @@ class CustomToolCallItem(TokenFields, tag_field="type", tag="custom_tool_call", 
     status: str = "completed"
 
 
-OutputItem = Union[ReasoningItem, MessageItem, FunctionCallItem, CustomToolCallItem]
+OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
 
 
 class InputTokensDetails(Reply):
