@@ -74,7 +74,7 @@ async def serve(
             )
             if status != 200:
                 raise UpstreamError(f"the upstream's /tokenize answered {status}")
-            info.prompt_token_ids = prompt_ids_from_tokenize(json_reply(payload))
+            info.prompt_token_ids = prompt_ids_from_tokenize(json_reply(payload, upstream))
         return info
 
     interval = config.stream_keepalive_s
@@ -114,7 +114,7 @@ async def serve(
             return local
         chat = empty_completion(model, local)
     else:
-        chat = to_chat_completion(json_reply(payload), config, training=training)
+        chat = to_chat_completion(json_reply(payload, upstream), config, training=training)
         if training:
             message = chat["choices"][0]["message"]
             info = await tokens(upstream, message)

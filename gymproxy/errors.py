@@ -113,6 +113,8 @@ def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
     unknown = _UNKNOWN.search(text)
     if unknown:
         path = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+    if len(text) > 300 or len(path) > 300:  # the client's own (possibly huge) key, echoed: keep it short
+        text, path = text[:300] + "...", path[:300] + "..."
     return BadRequest(f"{text} at `{path}`" if path and not unknown else text, param=path or None)
 
 
@@ -129,6 +131,8 @@ def openai_errors(handler: Handler) -> Handler:
             return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
         except web.HTTPException:
             raise
+        except RecursionError:  # only client JSON nests deep enough to exhaust the stack
+            return error_response(BadRequest("the request body is nested too deeply"))
         except Exception:  # a bug in gymproxy: log it whole, tell the client only that it happened
             log.exception("unhandled error in %s %s", request.method, request.path)
             return error_response(GymproxyError("internal error in gymproxy (see its log)"))

@@ -24,7 +24,7 @@ from .convert.request import to_chat_body
 from .convert.stream import ChatReasoningFolder, ResponsesStream
 from .convert.tokens import TokenInfo, attach_to_chat
 from .errors import BadRequest, UpstreamError
-from .replies import check_reply, check_stream, fold_chat_reasoning, json_reply, token_info
+from .replies import check_completion, check_reply, check_stream, fold_chat_reasoning, json_reply, token_info
 from .schemas import ENCODER
 from .schemas.chat import COMPLETION_DECODER
 from .state import Proxy
@@ -73,13 +73,15 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
             request, translator, empty_completion(model, local), interval=config.stream_keepalive_s
         )
     tokens = None
+    source = "gymproxy"
     if local is None:
         upstream, status, payload = await proxy.pool.call(
             request, "chat", ENCODER.encode(body), key=_user(req.user, config)
         )
         local = check_reply(proxy, status, payload) if status != 200 else None
+        source = f"the upstream {upstream.base_url}"
         if local is None and config.return_token_id_information:
-            tokens = await token_info(proxy, request, upstream, body, json_reply(payload))
+            tokens = await token_info(proxy, request, upstream, body, json_reply(payload, upstream))
     if isinstance(local, web.Response):
         return local
     if local is not None:
@@ -87,7 +89,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     try:
         completion = COMPLETION_DECODER.decode(payload)
     except msgspec.DecodeError as exc:
-        raise UpstreamError(f"the upstream's chat completion is not valid: {exc}") from exc
+        raise UpstreamError(f"{source} sent an invalid chat completion: {exc}") from exc
     response = to_response(completion, req, model=model, parser=parser, continued=continued)
     if tokens is not None:
         attach_tokens(response, tokens)
@@ -150,14 +152,16 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
         )
         if status == 200:
             if config.return_token_id_information:
-                reply = json_reply(payload)
+                reply = json_reply(payload, upstream)
                 fold_chat_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued)
                 attach_to_chat(reply, await token_info(proxy, request, upstream, body, reply))
                 payload = orjson.dumps(reply)
             elif b'"reasoning' in payload:  # most replies carry no reasoning field: their bytes go back untouched
-                reply = json_reply(payload)
+                reply = json_reply(payload, upstream)
                 if fold_chat_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued):
                     payload = orjson.dumps(reply)
+            else:
+                check_completion(payload, upstream)
             return web.Response(body=payload, content_type=JSON)
         local = check_reply(proxy, status, payload)
     if isinstance(local, web.Response):

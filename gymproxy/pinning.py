@@ -44,6 +44,8 @@ class Signer:
 
     def unsign(self, value: str) -> str | None:
         """The upstream name in a valid, fresh pin; None for anything else."""
+        if not value.isascii():
+            return None
         encoded, sep, rest = value.partition(".")
         issued, sep2, mac = rest.partition(".")
         if not (sep and sep2 and issued.isdigit()):
@@ -84,11 +86,16 @@ class Pinner:
         self._warned = False
 
     def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[Upstream, ...] = ()) -> Pin:
-        """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin."""
+        """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin.
+
+        Health marks are guesses: when none is marked healthy, every upstream not yet tried is a
+        candidate, so a recovered server is used at once rather than after the next health check.
+        """
+        any_healthy = any(u.healthy for u in self.upstreams)
         if cookie and not exclude:
             name = self.signer.unsign(cookie)
             upstream = self.by_name.get(name) if name is not None else None
-            if upstream is not None and upstream.healthy:
+            if upstream is not None and (upstream.healthy or not any_healthy):
                 return Pin(upstream, None)
             if upstream is None and not self._warned:
                 self._warned = True  # log once: a forged or stale cookie is the client's business
@@ -97,13 +104,15 @@ class Pinner:
             self.repinned += 1
         else:
             self.created += 1
-        healthy = [u for u in self.upstreams if u.healthy and u not in exclude]
-        if not healthy:
-            raise NoUpstream(f"no healthy upstream: {', '.join(u.base_url for u in self.upstreams)} are all down")
+        candidates = [u for u in self.upstreams if u.healthy and u not in exclude]
+        if not candidates:
+            candidates = [u for u in self.upstreams if u not in exclude]
+        if not candidates:
+            raise NoUpstream(f"no upstream is reachable: {', '.join(u.base_url for u in self.upstreams)} all failed")
         if session_key:
-            upstream = max(healthy, key=lambda u: _score(session_key, u))
+            upstream = max(candidates, key=lambda u: _score(session_key, u))
         else:
-            upstream = self._place(healthy)
+            upstream = self._place(candidates)
         return Pin(upstream, self.signer.sign(upstream.name))
 
     def _place(self, healthy: list[Upstream]) -> Upstream:
@@ -118,7 +127,8 @@ class Pinner:
 
 def _score(key: str, upstream: Upstream) -> float:
     """Weighted rendezvous hashing: the highest score wins, and each upstream's share follows its weight."""
-    digest = hashlib.sha256(f"{upstream.name}\x00{key}".encode()).digest()
+    # surrogateescape: a header's undecodable bytes still hash (to a stable upstream), never raise.
+    digest = hashlib.sha256(f"{upstream.name}\x00{key}".encode("utf-8", "surrogateescape")).digest()
     (value,) = struct.unpack(">Q", digest[:8])
     unit = (value + 1) / 2.0**64  # in (0, 1]
     return -upstream.weight / math.log(unit) if unit < 1.0 else math.inf

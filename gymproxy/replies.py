@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 from aiohttp import web
 
@@ -58,14 +59,30 @@ def _envelope(payload: bytes) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else body
 
 
-def json_reply(payload: bytes) -> dict[str, Any]:
+def json_reply(payload: bytes, upstream: Upstream) -> dict[str, Any]:
+    """An upstream reply as a mapping; anything else is the upstream breaking the protocol (502)."""
     try:
         reply = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
-        raise UpstreamError(f"the upstream's chat completion is not valid JSON: {exc}") from exc
+        raise UpstreamError(f"the upstream {upstream.base_url} sent a reply that is not valid JSON: {exc}") from exc
     if not isinstance(reply, dict):
-        raise UpstreamError("the upstream's chat completion is not a JSON object")
+        raise UpstreamError(f"the upstream {upstream.base_url} sent a reply that is not a JSON object")
     return reply
+
+
+class _CompletionShape(msgspec.Struct):
+    choices: msgspec.Raw  # checked for JSON syntax only, never built into objects
+
+
+_SHAPE_CHECK = msgspec.json.Decoder(_CompletionShape)
+
+
+def check_completion(payload: bytes, upstream: Upstream) -> None:
+    """A cheap check that a reply we pass through untouched is a JSON object with `choices`."""
+    try:
+        _SHAPE_CHECK.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise UpstreamError(f"the upstream {upstream.base_url} sent an invalid chat completion: {exc}") from exc
 
 
 def fold_chat_reasoning(reply: dict[str, Any], *, parser: bool, continued: bool) -> bool:
@@ -98,5 +115,5 @@ async def token_info(
         )
         if status != 200:
             raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
-        info.prompt_token_ids = prompt_ids_from_tokenize(json_reply(payload))
+        info.prompt_token_ids = prompt_ids_from_tokenize(json_reply(payload, upstream))
     return info

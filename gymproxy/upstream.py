@@ -21,7 +21,7 @@ from aiohttp import web
 from yarl import URL
 
 from .config import Config, UpstreamSpec, upstream_specs
-from .errors import GymproxyError, UpstreamError, UpstreamTimeout
+from .errors import GymproxyError, NoUpstream, UpstreamError, UpstreamTimeout
 from .metrics import Metrics
 from .pinning import Pinner, Signer
 
@@ -29,6 +29,7 @@ log = logging.getLogger("gymproxy")
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 LARGE_BODY = 1024 * 1024
+HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 # Per-request storage: typed keys where aiohttp has them (3.14+), plain strings before that.
 _RequestKey: Any = getattr(web, "RequestKey", None)
 PIN: Any = _RequestKey("gymproxy.pin", tuple) if _RequestKey else "gymproxy.pin"  # (cookie name, value, max age)
@@ -50,7 +51,7 @@ class NotConnected(UpstreamError):
 class Upstream:
     """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
-    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy", "_slots", "_reject")
+    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy", "failed_checks", "_slots", "_reject")
 
     def __init__(self, spec: UpstreamSpec, config: Config) -> None:
         self.name = spec.name or spec.url
@@ -77,6 +78,7 @@ class Upstream:
         }
         self.inflight = 0
         self.healthy = True
+        self.failed_checks = 0  # consecutive failed health checks
         cap = config.limits.max_inflight_per_upstream
         self._slots = asyncio.Semaphore(cap) if cap else None
         self._reject = config.limits.when_full == "reject"
@@ -151,9 +153,15 @@ class UpstreamPool:
         method: str = "POST",
         key: str | None = None,
     ) -> tuple[Upstream, int, bytes]:
-        """Send a request and read the whole reply: (upstream, status, body)."""
+        """Send a request and read the whole reply: (upstream, status, body); a 200 must be JSON."""
         async with self.request(request, route, data, method=method, key=key) as (upstream, response):
-            return upstream, response.status, await read(response)
+            body = await read(response)
+            if response.status == 200 and response.content_type != "application/json":
+                raise UpstreamError(
+                    f"the upstream {_show(response.url)} answered 200 with {response.content_type or 'no content type'}"
+                    ", not JSON"
+                )
+            return upstream, response.status, body
 
     async def call_upstream(
         self, request: web.Request, upstream: Upstream, route: str, data: bytes
@@ -192,6 +200,8 @@ class UpstreamPool:
             self._count(upstream, 0)
             raise UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}") from exc
         self._count(upstream, response.status)
+        if not upstream.healthy:
+            self.mark(upstream, True)  # it answered: whatever the last check said, it is up
         return response
 
     async def _send(
@@ -212,8 +222,12 @@ class UpstreamPool:
                 # Never connected, so vLLM never saw the request: safe to try another upstream.
                 upstream.release()
                 tried.append(upstream)
-                if not any(u.healthy and u not in tried for u in self.upstreams):
-                    raise
+                if len(tried) == len(self.upstreams):
+                    if len(tried) == 1:
+                        raise
+                    raise NoUpstream(
+                        f"no upstream is reachable: {', '.join(u.base_url for u in tried)} all refused the connection"
+                    ) from None
             except BaseException:
                 upstream.release()
                 raise
@@ -240,7 +254,10 @@ class UpstreamPool:
                     ok, why = r.status == 200, f"/health answered {r.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 ok, why = False, f"/health failed: {_why(exc)}"
-            self.mark(upstream, ok, why)
+            # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row.
+            upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
+            if ok or upstream.failed_checks >= HEALTH_FAILURES:
+                self.mark(upstream, ok, why)
 
         await asyncio.gather(*(check(u) for u in self.upstreams))
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
 import gymproxy
@@ -51,7 +52,18 @@ def hostile(n: int = 1) -> None:
 
 
 def summary() -> str:
-    return f"faults survived: {STATS['faults']}, hostile inputs tried: {STATS['hostile']}, requests lost: {STATS['lost']}"
+    return (
+        f"faults survived: {STATS['faults']}, hostile inputs tried: {STATS['hostile']}, requests lost: {STATS['lost']}"
+    )
+
+
+@pytest.fixture(autouse=True)
+def xfail_losses_do_not_count(request: pytest.FixtureRequest):
+    """Autouse in the modules that import it: a known bug (an xfail test) is no lost request."""
+    before = STATS["lost"]
+    yield
+    if request.node.get_closest_marker("xfail") is not None:
+        STATS["lost"] = before
 
 
 @contextlib.contextmanager
@@ -231,7 +243,7 @@ def check_error_or_failed_stream(reply: Reply, path: str, *, stream: bool, url: 
 async def start_proxy(aiohttp_server: Any, base_url: str | list[str], **config: Any) -> tuple[str, Any]:
     """gymproxy mounted with `gymproxy.setup` on a real port: (root URL, Proxy)."""
     cfg = build_config({"base_url": base_url, **config}, environ={})
-    app = web.Application(client_max_size=cfg.max_body_size, handler_args={"max_field_size": 16384})
+    app = web.Application(client_max_size=cfg.max_body_size)
     proxy = gymproxy.setup(app, cfg)
     server = await aiohttp_server(app)
     return str(server.make_url("")).rstrip("/"), proxy
@@ -268,7 +280,12 @@ def completion(text: str, model: str = "raw") -> bytes:
             "created": 1,
             "model": model,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
             ],
             "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
         }
@@ -289,7 +306,9 @@ def chunk_frames(text: str, model: str = "raw") -> list[bytes]:
     frames = [frame([choice({"role": "assistant", "content": ""})])]
     frames += [frame([choice({"content": w})]) for w in words]
     frames.append(frame([choice({}, "stop")]))
-    frames.append(frame([], usage={"prompt_tokens": 1, "completion_tokens": len(words), "total_tokens": 1 + len(words)}))
+    frames.append(
+        frame([], usage={"prompt_tokens": 1, "completion_tokens": len(words), "total_tokens": 1 + len(words)})
+    )
     frames.append(b"data: [DONE]\n\n")
     return frames
 
@@ -308,6 +327,7 @@ class RawRequest:
     body: bytes
     connection: int  # which accepted connection carried it
     reused: bool  # not the first request on its connection
+    idle_before: float = 0.0  # seconds the connection sat idle before this request
 
     @property
     def json(self) -> Any:
@@ -325,7 +345,10 @@ class RawRequest:
 class Conn:
     """One accepted connection: its streams, and the helpers a behaviour writes with."""
 
-    def __init__(self, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self, owner: RawUpstream, index: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.owner = owner
         self.index = index
         self.reader = reader
         self.writer = writer
@@ -336,8 +359,12 @@ class Conn:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def head(self, status: int = 200, content_type: str = "application/json", length: int | None = None, **extra: str) -> None:
-        reason = {200: "OK", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}.get(status, "X")
+    async def head(
+        self, status: int = 200, content_type: str = "application/json", length: int | None = None, **extra: str
+    ) -> None:
+        reason = {200: "OK", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable"}.get(
+            status, "X"
+        )
         lines = [f"HTTP/1.1 {status} {reason}", f"Content-Type: {content_type}"]
         lines.append(f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked")
         lines += [f"{k.replace('_', '-')}: {v}" for k, v in extra.items()]
@@ -366,6 +393,7 @@ class Conn:
         with contextlib.suppress(ConnectionError, OSError):
             while await self.reader.read(65536):
                 pass
+        self.owner.peer_closes += 1
 
 
 # A behaviour answers one request; it returns True to keep the connection for the next request.
@@ -383,6 +411,14 @@ async def good(conn: Conn, req: RawRequest) -> bool:
         body = completion(ANSWER)
         await conn.head(200, length=len(body))
         await conn.write(body)
+    return True
+
+
+async def meta(conn: Conn, req: RawRequest) -> bool:
+    """`/v1/models` and `/health`: always answered, so queued faults hit generations only."""
+    body = b'{"object": "list", "data": [{"id": "raw", "object": "model"}]}' if req.path.endswith("/models") else b"{}"
+    await conn.head(200, length=len(body))
+    await conn.write(body)
     return True
 
 
@@ -480,7 +516,7 @@ def close_if_idle(idle: float) -> Behaviour:
     meets the server's idle close (no reply, FIN). Fresh or recently used connections are answered."""
 
     async def behave(conn: Conn, req: RawRequest) -> bool:
-        if req.reused and req.idle_before > idle:  # type: ignore[attr-defined]
+        if req.reused and req.idle_before > idle:
             conn.writer.close()
             return False
         return await good(conn, req)
@@ -492,13 +528,16 @@ class RawUpstream:
     """An HTTP/1.1 server on a real port that answers each request with the next queued behaviour
     (`good` when the queue is empty). `idle_close` closes connections idle that long, as uvicorn does."""
 
-    def __init__(self, *, idle_close: float | None = None, default: Behaviour = good) -> None:
+    def __init__(
+        self, *, idle_close: float | None = None, default: Behaviour = good, health_delay: float = 0.0
+    ) -> None:
         self.idle_close = idle_close
+        self.health_delay = health_delay  # seconds /health takes to answer (a loaded server)
         self.default = default
         self.queue: collections.deque[Behaviour] = collections.deque()
         self.requests: list[RawRequest] = []
         self.connections = 0
-        self.peer_closes = 0  # connections the proxy closed while a behaviour was waiting
+        self.peer_closes = 0  # connections the proxy closed while a hanging behaviour waited
         self.idle_closes = 0
         self._conns: set[Conn] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -536,7 +575,7 @@ class RawUpstream:
         assert task is not None
         self._tasks.add(task)
         self.connections += 1
-        conn = Conn(self.connections, reader, writer)
+        conn = Conn(self, self.connections, reader, writer)
         self._conns.add(conn)
         try:
             while True:
@@ -544,7 +583,12 @@ class RawUpstream:
                 if req is None:
                     break
                 self.requests.append(req)
-                behaviour = self.queue.popleft() if self.queue else self.default
+                if "/chat/completions" not in req.path:  # the startup probe, health checks
+                    if req.path.endswith("/health") and self.health_delay:
+                        await asyncio.sleep(self.health_delay)
+                    behaviour: Behaviour = meta
+                else:
+                    behaviour = self.queue.popleft() if self.queue else self.default
                 keep = await behaviour(conn, req)
                 conn.served += 1
                 conn.last_active = time.monotonic()
@@ -552,10 +596,15 @@ class RawUpstream:
                     break
         except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
+        except asyncio.CancelledError:
+            pass  # close(): end quietly (asyncio logs a start_server callback task that ends cancelled)
         finally:
             self._conns.discard(conn)
             self._tasks.discard(task)
-            writer.transport.abort() if writer.transport.is_closing() else writer.close()
+            if writer.transport.is_closing():
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def _read_request(self, conn: Conn) -> RawRequest | None:
         reader = conn.reader
@@ -568,8 +617,6 @@ class RawUpstream:
             self.idle_closes += 1
             return None
         except asyncio.IncompleteReadError:
-            if conn.served == 0 or self.queue:
-                self.peer_closes += 1
             return None
         idle_before = time.monotonic() - conn.last_active
         lines = head.decode("latin-1").split("\r\n")
@@ -591,9 +638,7 @@ class RawUpstream:
             body = b"".join(p[:-2] for p in parts)
         else:
             body = b""
-        req = RawRequest(method, target, headers, body, conn.index, conn.served > 0)
-        req.idle_before = idle_before  # type: ignore[attr-defined]
-        return req
+        return RawRequest(method, target, headers, body, conn.index, conn.served > 0, idle_before)
 
 
 # --- an upstream that accepts anything -----------------------------------------------------------
