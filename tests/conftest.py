@@ -47,3 +47,11 @@ async def client(proxy_url):
     """The real openai client, pointed at gymproxy."""
     async with openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="test-key", max_retries=0) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """One line for CI: what the fault, hostile-input and load suites survived."""
+    from .faults import STATS, summary
+
+    if STATS["faults"] or STATS["hostile"]:
+        terminalreporter.write_line(f"reliability: {summary()}")
