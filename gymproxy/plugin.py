@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import re
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
@@ -18,6 +17,7 @@ from aiohttp import web
 from . import handlers
 from .config import Config
 from .errors import Handler, Unauthorized, openai_errors
+from .ids import hex32
 from .state import Proxy
 from .upstream import REQUEST_ID, TRACE, stamp
 
@@ -130,7 +130,7 @@ def _request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id")
     if given is not None and _REQUEST_ID.fullmatch(given):
         return given
-    return secrets.token_hex(16)
+    return hex32()
 
 
 def _loop_time() -> float:

@@ -17,7 +17,6 @@ None of §6 (the chat boundary) applies on this path.
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ import orjson
 
 from ..config import Config, ConfigError
 from ..errors import BadRequest, UpstreamError
+from ..ids import hex32
 from .boundary import _without_strict
 
 # Chat request fields /v1/completions takes under the same name (spec 10 step 6).
@@ -292,7 +292,7 @@ def to_chat_completion(reply: dict[str, Any], config: Config, *, training: bool)
         logprobs = chat_logprobs(choice.get("logprobs"))
     upstream_id = reply.get("id")
     return {
-        "id": upstream_id if isinstance(upstream_id, str) and upstream_id else f"chatcmpl-{secrets.token_hex(16)}",
+        "id": upstream_id if isinstance(upstream_id, str) and upstream_id else f"chatcmpl-{hex32()}",
         "object": "chat.completion",
         "created": reply.get("created") or int(time.time()),
         "model": reply.get("model") or config.model,
@@ -383,7 +383,7 @@ class CompletionChunks:
 
     def __init__(self, config: Config) -> None:
         self.model = config.model
-        self._id = f"chatcmpl-{secrets.token_hex(16)}"
+        self._id = f"chatcmpl-{hex32()}"
         self._created = int(time.time())
         self._started: set[int] = set()
         # Choice 0, accumulated for token_fields().

@@ -6,11 +6,11 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 from typing import Any
 
 from ..errors import UpstreamError
+from ..ids import hex32, new_id
 from ..schemas.chat import AssistantMessage, ChatCompletion, Usage
 from ..schemas.responses import (
     CustomToolCallItem,
@@ -39,10 +39,6 @@ NO_PARSER = (
     "the upstream returned a reasoning field, but gymproxy's config says `uses_reasoning_parser: false`; "
     "set it to true for a vLLM started with --reasoning-parser"
 )
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def fold_reasoning(content: str | None, reasoning: str | None, *, continued: bool) -> str | None:
@@ -207,7 +203,7 @@ def to_usage(usage: Usage | None) -> ResponseUsage | None:
 def empty_completion(model: str | None, finish_reason: str) -> dict[str, Any]:
     """The local empty reply for a context overflow ("length") or a blocked turn ("content_filter")."""
     return {
-        "id": f"chatcmpl-{secrets.token_hex(16)}",
+        "id": f"chatcmpl-{hex32()}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,

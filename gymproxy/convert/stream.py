@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from ..errors import UpstreamError
+from ..ids import new_id
 from ..schemas.chat import AssistantMessage, ChatChunk, ChatCompletion, Choice, FunctionCall, ToolCall, Usage
 from ..schemas.events import (
     ArgumentsDelta,
@@ -43,7 +44,7 @@ from ..schemas.responses import (
     ResponsesRequest,
     SummaryText,
 )
-from .reply import NO_PARSER, attach_tokens, echo, new_id, to_response
+from .reply import NO_PARSER, attach_tokens, echo, to_response
 from .tokens import TokenInfo
 
 OPEN, CLOSE = "<think>", "</think>"
