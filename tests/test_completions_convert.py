@@ -720,8 +720,16 @@ def test_render_calls_the_template_as_nemo_gym_does() -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert ChatTemplate(tokenizer, "t").render(messages, tools, {"enable_thinking": False}) == "PROMPT"
     ((conversation, kwargs),) = tokenizer.calls
-    assert conversation is messages  # unchanged
+    assert conversation == messages  # unchanged
     assert kwargs == {"tokenize": False, "add_generation_prompt": True, "tools": tools, "enable_thinking": False}
+
+
+def test_render_flattens_text_parts_as_vllm_does() -> None:
+    tokenizer = RecordingTokenizer()
+    parts = [{"type": "text", "text": "what is "}, {"type": "input_text", "text": "the weather"}]
+    ChatTemplate(tokenizer, "t").render([user(parts)], None, {})
+    ((conversation, _),) = tokenizer.calls
+    assert conversation == [{"role": "user", "content": "what is the weather"}]
 
 
 @pytest.mark.parametrize("tools", [None, []])

@@ -165,6 +165,11 @@ class ChatTemplate:
             raise BadRequest(
                 f"chat_template_kwargs may not set {reserved}: gymproxy sets them itself", param="chat_template_kwargs"
             )
+        # Text parts become one string, as vLLM does before it renders: templates concatenate content.
+        messages = [
+            {**m, "content": "".join(p.get("text") or "" for p in m["content"])} if isinstance(m.get("content"), list) else m
+            for m in messages
+        ]
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, tools=tools or None, **kwargs
