@@ -21,10 +21,17 @@ from .config import Config
 from .convert.boundary import sequential_reasoning_blocked
 from .convert.reply import attach_tokens, empty_completion, to_response
 from .convert.request import to_chat_body
-from .convert.stream import ChatReasoningFolder, ResponsesStream
+from .convert.stream import ChatReasoningFolder, ResponsesStream, has_reasoning
 from .convert.tokens import TokenInfo, attach_to_chat
 from .errors import BadRequest, UpstreamError
-from .replies import check_completion, check_reply, check_stream, fold_chat_reasoning, json_reply, token_info
+from .replies import (
+    check_completion,
+    check_reply,
+    check_stream,
+    fold_chat_reasoning,
+    json_reply,
+    token_info,
+)
 from .schemas import ENCODER
 from .schemas.chat import COMPLETION_DECODER
 from .state import Proxy
@@ -156,7 +163,7 @@ async def chat_completions(proxy: Proxy, request: web.Request) -> web.StreamResp
                 fold_chat_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued)
                 attach_to_chat(reply, await token_info(proxy, request, upstream, body, reply))
                 payload = orjson.dumps(reply)
-            elif b'"reasoning' in payload:  # most replies carry no reasoning field: their bytes go back untouched
+            elif has_reasoning(payload):  # most replies carry none: their bytes go back untouched
                 reply = json_reply(payload, upstream)
                 if fold_chat_reasoning(reply, parser=config.uses_reasoning_parser, continued=continued):
                     payload = orjson.dumps(reply)

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gymproxy")
 
 
+VERIFIED_CACHE = 65536  # pins remembered as verified, per process
+
+
 class Signer:
     """Signs and checks pin values `<name>.<issued>.<mac>` (base64url, no padding)."""
 
@@ -36,6 +39,7 @@ class Signer:
         self._secret = secret
         self.max_age = max_age
         self._recent: dict[str, tuple[int, str]] = {}  # name -> (second, pin): one HMAC a second
+        self._verified: dict[str, tuple[str, int]] = {}  # pin -> (name, issued): one HMAC per pin
 
     def sign(self, name: str, issued: int | None = None) -> str:
         if issued is None:
@@ -52,6 +56,18 @@ class Signer:
 
     def unsign(self, value: str) -> str | None:
         """The upstream name in a valid, fresh pin; None for anything else."""
+        known = self._verified.get(value)
+        if known is None:
+            known = self._verify(value)
+            if known is None:
+                return None
+            if len(self._verified) >= VERIFIED_CACHE:
+                self._verified.clear()  # bounded: a cache, never a session table
+            self._verified[value] = known
+        name, issued = known
+        return name if time.time() - issued <= self.max_age else None
+
+    def _verify(self, value: str) -> tuple[str, int] | None:
         if not value.isascii():
             return None
         encoded, sep, rest = value.partition(".")
@@ -60,10 +76,8 @@ class Signer:
             return None
         if not hmac.compare_digest(mac, self._mac(f"{encoded}.{issued}")):
             return None
-        if time.time() - int(issued) > self.max_age:
-            return None
         try:
-            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode(), int(issued)
         except (ValueError, UnicodeDecodeError):
             return None
 

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from .convert.reply import NO_PARSER, empty_completion
-from .convert.stream import ChatReasoningFolder, ResponsesStream
+from .convert.stream import ChatReasoningFolder, ResponsesStream, has_reasoning
 from .convert.tokens import TokenInfo
 from .errors import GymproxyError, UpstreamError
 from .schemas import ENCODER
@@ -42,6 +42,13 @@ READ_ERRORS = (
     orjson.JSONDecodeError,
     UpstreamError,
 )
+
+
+class _ChunkCheck(msgspec.Struct):
+    error: Any = None
+
+
+_CHUNK_CHECK = msgspec.json.Decoder(_ChunkCheck)
 
 
 class ClientGone(Exception):
@@ -127,14 +134,14 @@ async def relay_chat(
                     continue
                 if adapt is not None:
                     payload = adapt(payload)
-                chunk = CHUNK_DECODER.decode(payload)  # a chunk that is not JSON ends the stream
-                if chunk.error is not None:
+                # Relayed as is: checked for JSON and an error only, never built into objects.
+                if _CHUNK_CHECK.decode(payload).error is not None:
                     out.append(b"data: " + payload + b"\n\n")  # vLLM's own in-stream error
                     done = True
                     continue
                 if fold is not None and fold.needed(payload):
                     payload = fold.fold(payload)
-                elif not parser and any(c.delta.reasoning or c.delta.reasoning_content for c in chunk.choices):
+                elif not parser and has_reasoning(payload):
                     raise UpstreamError(NO_PARSER)
                 out.append(b"data: " + payload + b"\n\n")
             if out:

@@ -51,7 +51,18 @@ class NotConnected(UpstreamError):
 class Upstream:
     """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
-    __slots__ = ("name", "base_url", "weight", "headers", "urls", "inflight", "healthy", "failed_checks", "_slots", "_reject")
+    __slots__ = (
+        "name",
+        "base_url",
+        "weight",
+        "headers",
+        "urls",
+        "inflight",
+        "healthy",
+        "failed_checks",
+        "_slots",
+        "_reject",
+    )
 
     def __init__(self, spec: UpstreamSpec, config: Config) -> None:
         self.name = spec.name or spec.url

@@ -626,3 +626,21 @@ def test_empty_completion_becomes_an_incomplete_response(finish_reason, reason):
 
 def test_empty_instructions_are_still_echoed():
     assert respond(req=decode_request(instructions=""))["instructions"] == ""
+
+
+def test_split_think_equals_the_non_greedy_regex():
+    """The str.find splitter must agree with `<think>(.*?)</think>` (DOTALL) findall + sub everywhere."""
+    import re
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    pattern = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+    pieces = st.sampled_from(["<think>", "</think>", "<thi", "nk>", "</", "a", "\n", " ", "é", "<", ">"])
+
+    @settings(max_examples=2000, deadline=None)
+    @given(st.lists(pieces, max_size=12).map("".join))
+    def check(text: str) -> None:
+        assert split_think(text) == (pattern.findall(text), pattern.sub("", text))
+
+    check()

@@ -8,7 +8,6 @@ and nothing is deep-copied; messages are replaced only where a rule changes them
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import orjson
@@ -18,7 +17,34 @@ from ..errors import BadRequest
 
 log = logging.getLogger("gymproxy")
 
-THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def split_think(text: str) -> tuple[list[str], str]:
+    """All `<think>...</think>` blocks in order, and the text with them removed.
+
+    The same as the non-greedy regex `<think>(.*?)</think>` (DOTALL) with findall and sub, in one
+    pass of `str.find`: a block ends at the first `</think>` after its `<think>`; an unclosed
+    `<think>` and a stray `</think>` stay text.
+    """
+    start = text.find(OPEN)
+    if start < 0:
+        return [], text
+    found: list[str] = []
+    kept: list[str] = []
+    done = 0
+    while start >= 0:
+        end = text.find(CLOSE, start + len(OPEN))
+        if end < 0:
+            break
+        kept.append(text[done:start])
+        found.append(text[start + len(OPEN) : end])
+        done = end + len(CLOSE)
+        start = text.find(OPEN, done)
+    kept.append(text[done:])
+    return found, "".join(kept)
+
+
 CONTROL_KEYS = ("chat_template_kwargs", "extra_body")
 TOKEN_KEYS = frozenset(("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts"))
 
@@ -103,8 +129,7 @@ class Boundary:
             return message
         found: list[str] = []
         if isinstance(content, str):
-            found = THINK.findall(content)
-            content = THINK.sub("", content)
+            found, content = split_think(content)
         elif isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -114,8 +139,9 @@ class Boundary:
                         "assistant content parts must carry `text` when gymproxy splits reasoning out of history",
                         param=f"messages[{index}].content[{j}]",
                     )
-                found += THINK.findall(text)
-                parts.append({**part, "text": THINK.sub("", text)})
+                thoughts, text = split_think(text)
+                found += thoughts
+                parts.append({**part, "text": text})
             content = parts
         else:
             raise BadRequest(

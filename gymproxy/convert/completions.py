@@ -167,7 +167,9 @@ class ChatTemplate:
             )
         # Text parts become one string, as vLLM does before it renders: templates concatenate content.
         messages = [
-            {**m, "content": "".join(p.get("text") or "" for p in m["content"])} if isinstance(m.get("content"), list) else m
+            {**m, "content": "".join(p.get("text") or "" for p in m["content"])}
+            if isinstance(m.get("content"), list)
+            else m
             for m in messages
         ]
         try:

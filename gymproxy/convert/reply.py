@@ -30,7 +30,7 @@ from ..schemas.responses import (
     SummaryText,
     TextEcho,
 )
-from .boundary import THINK
+from .boundary import split_think
 from .tokens import TokenInfo
 
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -46,13 +46,6 @@ def fold_reasoning(content: str | None, reasoning: str | None, *, continued: boo
     if not reasoning:
         return content
     return (reasoning if continued else f"<think>{reasoning}</think>") + (content or "")
-
-
-def split_think(text: str) -> tuple[list[str], str]:
-    """All `<think>` blocks in order, and the text with them removed (nothing else touched)."""
-    if "<think>" not in text:
-        return [], text
-    return THINK.findall(text), THINK.sub("", text)
 
 
 def output_items(message: AssistantMessage, *, parse_think: bool) -> list[OutputItem]:

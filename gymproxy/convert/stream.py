@@ -9,6 +9,7 @@ chunks.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -48,6 +49,14 @@ from .reply import NO_PARSER, attach_tokens, echo, to_response
 from .tokens import TokenInfo
 
 OPEN, CLOSE = "<think>", "</think>"
+
+# A reasoning field with a string value (vLLM 0.32 sends `"reasoning":null` on every full reply).
+_REASONING_VALUE = re.compile(rb'"reasoning(?:_content)?"\s*:\s*"')
+
+
+def has_reasoning(payload: bytes) -> bool:
+    """Whether a reply or chunk carries a non-null reasoning field, without decoding it."""
+    return _REASONING_VALUE.search(payload) is not None
 
 
 class ThinkSplitter:
@@ -471,7 +480,7 @@ class ChatReasoningFolder:
         self.open: set[int] = set()  # choice indexes inside an unclosed <think>
 
     def needed(self, payload: bytes) -> bool:
-        return bool(self.open) or b'"reasoning":' in payload or b'"reasoning_content":' in payload
+        return bool(self.open) or has_reasoning(payload)
 
     def fold(self, payload: bytes) -> bytes:
         chunk = orjson.loads(payload)
