@@ -218,6 +218,14 @@ class UpstreamPool:
     async def _send(
         self, request: web.Request, route: str, data: bytes | None, method: str, key: str | None
     ) -> tuple[Upstream, aiohttp.ClientResponse]:
+        if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
+            upstream = self.upstreams[0]
+            await upstream.acquire()
+            try:
+                return upstream, await self._open(request, upstream, route, data, method)
+            except BaseException:
+                upstream.release()
+                raise
         session_key = request.headers.get(self.session_header) or key
         cookie = pin_cookie(request.headers.get("Cookie"), self.cookie_name)
         tried: list[Upstream] = []

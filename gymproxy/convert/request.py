@@ -217,8 +217,12 @@ class _Turns:
 
 def _check_tokens(item: InputItem, where: str) -> None:
     """Token metadata is all-or-nothing: any field present requires the three lists."""
-    present = [name for name in TOKEN_FIELDS if getattr(item, name) is not None]
-    if not present and item.routed_experts is None:
+    if (
+        item.prompt_token_ids is None
+        and item.generation_token_ids is None
+        and item.generation_log_probs is None
+        and item.routed_experts is None
+    ):
         return
     missing = [name for name in TOKEN_FIELDS if getattr(item, name) is None]
     if missing:

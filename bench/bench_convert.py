@@ -1,0 +1,246 @@
+"""Micro-benchmark of gymproxy's conversion path, in microseconds per operation, without any I/O.
+
+Request:  bytes -> decode -> to_chat_body -> Boundary.prepare -> encode -> bytes (upstream)
+Reply:    bytes -> decode -> to_response -> encode -> bytes (client)
+Streams:  per upstream chunk: SSE decode -> chunk decode -> ResponsesStream.feed (or the chat
+          route's reasoning fold) -> frames
+
+Payloads come from bench/data/ (see make_data.py). Every figure is the median over `--repeat`
+timed batches; a stage that rewrites its input in place gets a fresh input per call, made
+outside the timed loop. Time is this process's CPU time (`time.process_time`), so other
+processes on a busy machine do not leak into it. The garbage collector stays on, as in the server.
+
+    python bench/bench_convert.py [--json] [--min-time 0.2] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgspec
+import orjson
+
+from gymproxy import build_config
+from gymproxy.convert.boundary import Boundary
+from gymproxy.convert.reply import to_response
+from gymproxy.convert.request import to_chat_body
+from gymproxy.convert.stream import ChatReasoningFolder, ResponsesStream
+from gymproxy.schemas import ENCODER
+from gymproxy.schemas.chat import CHUNK_DECODER, COMPLETION_DECODER, ChatRequestView
+from gymproxy.schemas.responses import REQUEST_DECODER
+from gymproxy.sse import DONE, SSEDecoder
+
+DATA = Path(__file__).resolve().parent / "data"
+MODEL = "Qwen/Qwen3-8B"
+
+
+class Stat(NamedTuple):
+    """Microseconds per operation: the median batch, and the fastest one (how noisy it was)."""
+
+    median: float
+    best: float
+
+    def __truediv__(self, n: float) -> Stat:
+        return Stat(self.median / n, self.best / n)
+
+
+class Timer:
+    """Times one operation: calibrates a batch size, then takes the median of `repeat` batches."""
+
+    def __init__(self, min_time: float, repeat: int) -> None:
+        self.min_time = min_time
+        self.repeat = repeat
+
+    def per_call(self, op: Callable[..., Any], fresh: Callable[[], Any] | None = None) -> Stat:
+        """µs per `op()`, or per `op(fresh())` with `fresh()` called outside the timing."""
+        number = self._calibrate(op, fresh)
+        samples = []
+        for _ in range(self.repeat):
+            if fresh is None:
+                start = time.process_time()
+                for _ in range(number):
+                    op()
+            else:
+                inputs = [fresh() for _ in range(number)]
+                start = time.process_time()
+                for value in inputs:
+                    op(value)
+            samples.append((time.process_time() - start) / number)
+        return Stat(statistics.median(samples) * 1e6, min(samples) * 1e6)
+
+    def _calibrate(self, op: Callable[..., Any], fresh: Callable[[], Any] | None) -> int:
+        number = 1
+        while True:
+            inputs = [fresh() for _ in range(number)] if fresh is not None else None
+            start = time.process_time()
+            if inputs is None:
+                for _ in range(number):
+                    op()
+            else:
+                for value in inputs:
+                    op(value)
+            elapsed = time.process_time() - start
+            if elapsed >= self.min_time / 4 or number >= 1 << 20:
+                return max(1, round(number * self.min_time / max(elapsed, 1e-9)))
+            number *= 4
+
+
+def request_rows(timer: Timer, boundary: Boundary, name: str) -> list[tuple[str, Stat]]:
+    raw = (DATA / name).read_bytes()
+    raw = orjson.dumps(orjson.loads(raw))  # compact, as a client sends it
+    req = REQUEST_DECODER.decode(raw)
+    body = boundary.prepare(to_chat_body(req))
+    rows = [
+        ("decode (typed ResponsesRequest)", timer.per_call(lambda: REQUEST_DECODER.decode(raw))),
+        ("to_chat_body", timer.per_call(lambda: to_chat_body(req))),
+        ("Boundary.prepare", timer.per_call(boundary.prepare, lambda: to_chat_body(req))),
+        ("encode the chat body", timer.per_call(lambda: ENCODER.encode(body))),
+        (
+            "total, bytes to bytes",
+            timer.per_call(lambda: ENCODER.encode(boundary.prepare(to_chat_body(REQUEST_DECODER.decode(raw))))),
+        ),
+        ("for scale: orjson loads + dumps", timer.per_call(lambda: orjson.dumps(orjson.loads(raw)))),
+    ]
+    return rows
+
+
+def chat_request_rows(timer: Timer, boundary: Boundary) -> list[tuple[str, Stat]]:
+    raw = orjson.dumps(orjson.loads((DATA / "chat_request.json").read_bytes()))
+
+    def route() -> bytes:  # as handlers.chat_completions reads a request
+        body = orjson.loads(raw)
+        msgspec.convert(body, ChatRequestView)
+        return ENCODER.encode(boundary.prepare(body))
+
+    return [
+        ("orjson.loads", timer.per_call(lambda: orjson.loads(raw))),
+        ("validate (ChatRequestView)", timer.per_call(lambda: msgspec.convert(orjson.loads(raw), ChatRequestView))),
+        ("Boundary.prepare", timer.per_call(boundary.prepare, lambda: orjson.loads(raw))),
+        ("total, bytes to bytes", timer.per_call(route)),
+    ]
+
+
+def reply_rows(timer: Timer, name: str) -> list[tuple[str, Stat]]:
+    req = REQUEST_DECODER.decode((DATA / "responses_short.json").read_bytes())
+    payload = (DATA / name).read_bytes()
+    response = to_response(COMPLETION_DECODER.decode(payload), req, model=MODEL, parser=True)
+
+    def convert(completion: Any) -> Any:
+        return to_response(completion, req, model=MODEL, parser=True)
+
+    return [
+        ("decode (ChatCompletion view)", timer.per_call(lambda: COMPLETION_DECODER.decode(payload))),
+        ("to_response", timer.per_call(convert, lambda: COMPLETION_DECODER.decode(payload))),
+        ("encode the Response", timer.per_call(lambda: ENCODER.encode(response))),
+        ("total, bytes to bytes", timer.per_call(lambda: ENCODER.encode(convert(COMPLETION_DECODER.decode(payload))))),
+        ("for scale: orjson loads + dumps", timer.per_call(lambda: orjson.dumps(orjson.loads(payload)))),
+    ]
+
+
+def stream_rows(timer: Timer) -> list[tuple[str, Stat]]:
+    """Per upstream chunk, from one whole 200-chunk stream, each frame fed as its own read."""
+    raw = (DATA / "chat_stream_tool.sse").read_bytes()
+    frames = [frame + b"\n\n" for frame in raw.split(b"\n\n") if frame]
+    chunks = len(frames) - 1  # without [DONE]
+    req = REQUEST_DECODER.decode(
+        orjson.dumps({**json.loads((DATA / "responses_short.json").read_text()), "stream": True})
+    )
+
+    def decode_only() -> None:
+        decoder = SSEDecoder()
+        for frame in frames:
+            for payload in decoder.feed(frame):
+                if payload != DONE:
+                    CHUNK_DECODER.decode(payload)
+
+    def responses() -> None:  # as streaming.relay_responses
+        decoder = SSEDecoder()
+        translator = ResponsesStream(req, model=MODEL, parser=True)
+        out = [translator.start()]
+        for frame in frames:
+            for payload in decoder.feed(frame):
+                if payload != DONE:
+                    out.append(translator.feed(CHUNK_DECODER.decode(payload)))
+        translator.finish()
+
+    def chat_fold() -> None:  # as streaming.relay_chat with uses_reasoning_parser
+        decoder = SSEDecoder()
+        fold = ChatReasoningFolder(continued=False)
+        out = []
+        for frame in frames:
+            for payload in decoder.feed(frame):
+                if payload == DONE:
+                    continue
+                CHUNK_DECODER.decode(payload)
+                if fold.needed(payload):
+                    payload = fold.fold(payload)
+                out.append(b"data: " + payload + b"\n\n")
+
+    per_chunk = lambda op: timer.per_call(op) / chunks  # noqa: E731
+    return [
+        ("SSE decode + chunk decode", per_chunk(decode_only)),
+        ("responses: + ResponsesStream (start/feed/finish)", per_chunk(responses)),
+        ("chat: + reasoning fold into <think>", per_chunk(chat_fold)),
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, list[tuple[str, Stat]]]:
+    timer = Timer(args.min_time, args.repeat)
+    config = build_config({"base_url": ["http://127.0.0.1:1/v1"], "uses_reasoning_parser": True}, environ={})
+    boundary = Boundary(config)
+    sections = {
+        "Responses request -> chat body: responses_short.json (1 turn, 3 tools)": lambda: request_rows(
+            timer, boundary, "responses_short.json"
+        ),
+        "Responses request -> chat body: responses_multiturn.json (30 items)": lambda: request_rows(
+            timer, boundary, "responses_multiturn.json"
+        ),
+        "chat request (the /v1/chat/completions route): chat_request.json": lambda: chat_request_rows(timer, boundary),
+        "chat completion -> Response: chat_completion_tool.json (reasoning + tool call)": lambda: reply_rows(
+            timer, "chat_completion_tool.json"
+        ),
+        "chat completion -> Response: chat_completion_plain.json (content only)": lambda: reply_rows(
+            timer, "chat_completion_plain.json"
+        ),
+        "stream, per upstream chunk: chat_stream_tool.sse (200 chunks)": lambda: stream_rows(timer),
+    }
+    results = {}
+    for title, rows in sections.items():
+        results[title] = rows()
+        if not args.json:
+            print(f"\n{title}\n  {'':50} {'median':>9} {'best':>9}")
+            for label, value in results[title]:
+                print(f"  {label:50} {value.median:9.2f} {value.best:9.2f}")
+            sys.stdout.flush()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_convert.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per timed batch (default 0.2)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed batches; the median is reported (default 7)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+    if not args.json:
+        print(f"conversion micro-benchmark: median of {args.repeat} batches of ~{args.min_time:g} s, µs per operation")
+    results = run(args)
+    if args.json:
+        document = {
+            "unit": "µs per operation",
+            "repeat": args.repeat,
+            "min_time": args.min_time,
+            "sections": {title: {label: v._asdict() for label, v in rows} for title, rows in results.items()},
+        }
+        print(json.dumps(document, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
