@@ -178,9 +178,8 @@ class UpstreamPool:
         self, request: web.Request, upstream: Upstream, route: str, data: bytes
     ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize)."""
-        await upstream.acquire()
+        response = await self._attempt(request, upstream, route, data, "POST")
         try:
-            response = await self._open(request, upstream, route, data, "POST")
             async with response:
                 return response.status, await read(response)
         finally:
@@ -220,12 +219,7 @@ class UpstreamPool:
     ) -> tuple[Upstream, aiohttp.ClientResponse]:
         if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
             upstream = self.upstreams[0]
-            await upstream.acquire()
-            try:
-                return upstream, await self._open(request, upstream, route, data, method)
-            except BaseException:
-                upstream.release()
-                raise
+            return upstream, await self._attempt(request, upstream, route, data, method)
         session_key = request.headers.get(self.session_header) or key
         cookie = pin_cookie(request.headers.get("Cookie"), self.cookie_name)
         tried: list[Upstream] = []
@@ -233,23 +227,26 @@ class UpstreamPool:
             pin = self.pinner.pick(cookie, session_key, exclude=tuple(tried))
             if pin.cookie is not None:
                 request[PIN] = (self.cookie_name, pin.cookie, self.config.pinning.max_age)
-            upstream = pin.upstream
-            await upstream.acquire()
             try:
-                return upstream, await self._open(request, upstream, route, data, method)
+                return pin.upstream, await self._attempt(request, pin.upstream, route, data, method)
             except NotConnected:
                 # Never connected, so vLLM never saw the request: safe to try another upstream.
-                upstream.release()
-                tried.append(upstream)
+                tried.append(pin.upstream)
                 if len(tried) == len(self.upstreams):
-                    if len(tried) == 1:
-                        raise
                     raise NoUpstream(
                         f"no upstream is reachable: {', '.join(u.base_url for u in tried)} all refused the connection"
                     ) from None
-            except BaseException:
-                upstream.release()
-                raise
+
+    async def _attempt(
+        self, request: web.Request, upstream: Upstream, route: str, data: bytes | None, method: str
+    ) -> aiohttp.ClientResponse:
+        """One request holding an in-flight slot of `upstream`; the slot is given back if it fails."""
+        await upstream.acquire()
+        try:
+            return await self._open(request, upstream, route, data, method)
+        except BaseException:
+            upstream.release()
+            raise
 
     def _count(self, upstream: Upstream, status: int) -> None:
         self.metrics.upstream_requests[(upstream.name, status)] += 1
