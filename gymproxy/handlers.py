@@ -1,8 +1,13 @@
-"""Route handlers: the only place that sequences I/O. Each step below is a call that returns a value.
+"""Route handlers: where a request goes. Each step below is a call that returns a value.
 
 POST /v1/responses          read -> decode -> to_chat_body -> boundary -> upstream -> to_response
+                            (stream: relay_responses translates each chunk into events)
 POST /v1/chat/completions   read -> decode -> boundary -> upstream -> fold reasoning -> reply
+                            (stream: relay_chat relays each chunk)
+with use_completions_api    both go through completions_backend.serve instead of the boundary
+with is_responses_native    /v1/responses is responses_native: forwarded to the upstream's own
 GET  /v1/models, POST /v1/completions, POST /tokenize   relayed to the upstream as they are
+GET  /health, /metrics      the fleet's state
 """
 
 from __future__ import annotations
