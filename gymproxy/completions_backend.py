@@ -9,7 +9,6 @@ section 6 do not apply on this path.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import orjson
@@ -36,8 +35,6 @@ from .state import Proxy
 from .streaming import relay_chat, relay_responses, replay_chat, replay_responses
 from .upstream import Upstream
 
-log = logging.getLogger("gymproxy")
-
 
 async def serve(
     proxy: Proxy, request: web.Request, body: dict[str, Any], *, req: ResponsesRequest | None, key: str | None
@@ -47,9 +44,8 @@ async def serve(
     stream = req.stream if req is not None else body.get("stream") is True
     if req is not None and stream:
         body["stream"] = True
-    if check_chat_body(body, config) and not proxy.warned_template_kwargs:
-        proxy.warned_template_kwargs = True
-        log.warning("dropping the request's chat_template_kwargs (use_completions_api is true); use metadata instead")
+    if check_chat_body(body, config):
+        proxy.boundary.warn_dropped_template_kwargs("use_completions_api is true")
     prompt = await _render(proxy, body)
     completion_body = to_completions_body(body, config, prompt)
     if req is None and stream:  # a chat client gets the usage chunk only if it asked, as from vLLM

@@ -23,7 +23,6 @@ class Proxy:
         self.template = (
             ChatTemplate.load(config.tokenizer or config.model or "") if config.render_chat_template else None
         )
-        self.warned_template_kwargs = False
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:

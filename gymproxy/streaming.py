@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -49,6 +49,24 @@ class _ChunkCheck(msgspec.Struct):
 
 
 _CHUNK_CHECK = msgspec.json.Decoder(_ChunkCheck)
+
+
+class _Payloads:
+    """An upstream SSE body's data payloads, `[DONE]` noted, each adapted to a chat chunk if asked."""
+
+    __slots__ = ("_decoder", "_adapt", "done")
+
+    def __init__(self, adapt: Callable[[bytes], bytes] | None) -> None:
+        self._decoder = SSEDecoder()
+        self._adapt = adapt
+        self.done = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        for payload in self._decoder.feed(data):
+            if payload == DONE:
+                self.done = True
+            else:
+                yield payload if self._adapt is None else self._adapt(payload)
 
 
 class ClientGone(Exception):
@@ -122,22 +140,17 @@ async def relay_chat(
     """vLLM's chat stream to the client: each frame as it arrives, reasoning folded when asked.
     `adapt` turns another stream's payloads (the completions backend's) into chat chunks first."""
     writer = await open_stream(request, interval)
-    decoder = SSEDecoder()
+    body = _Payloads(adapt)
     done = False
     failure: str | None = None
     out: list[bytes] = []
     try:
         async for data in up.content.iter_any():
-            for payload in decoder.feed(data):
-                if payload == DONE:
-                    done = True
-                    continue
-                if adapt is not None:
-                    payload = adapt(payload)
+            for payload in body.feed(data):
                 # Relayed as is: checked for JSON and an error only, never built into objects.
                 if _CHUNK_CHECK.decode(payload).error is not None:
                     out.append(b"data: " + payload + b"\n\n")  # vLLM's own in-stream error
-                    done = True
+                    done = True  # vLLM's [DONE] follows; the stream is over either way
                     continue
                 if fold is not None and fold.needed(payload):
                     payload = fold.fold(payload)
@@ -147,7 +160,7 @@ async def relay_chat(
             if out:
                 frames, out = b"".join(out), []
                 await writer.write(frames)
-        if not done:
+        if not (done or body.done):
             failure = f"the upstream {upstream.base_url} ended the stream without [DONE]"
     except ClientGone:
         return _gone(up, writer)
@@ -177,18 +190,12 @@ async def relay_responses(
     """vLLM's chat stream to the client as Responses events; `tokens` gives training-mode ids at
     the end, and `adapt` turns another stream's payloads into chat chunks first."""
     writer = await open_stream(request, interval)
-    decoder = SSEDecoder()
-    done = False
+    body = _Payloads(adapt)
     out: list[bytes] = []
     try:
         await writer.write(translator.start())
         async for data in up.content.iter_any():
-            for payload in decoder.feed(data):
-                if payload == DONE:
-                    done = True
-                    continue
-                if adapt is not None:
-                    payload = adapt(payload)
+            for payload in body.feed(data):
                 chunk = CHUNK_DECODER.decode(payload)
                 if chunk.error is not None:
                     raise UpstreamError(_chunk_error(chunk))
@@ -196,7 +203,7 @@ async def relay_responses(
             if out:
                 frames, out = b"".join(out), []
                 await writer.write(frames)
-        if not done:
+        if not body.done:
             raise UpstreamError("the stream ended without [DONE]")
         info = await tokens() if tokens is not None else None
         tail, _ = translator.finish(info)

@@ -85,12 +85,8 @@ class Boundary:
         if requested:
             if config.forward_request_chat_template_kwargs:
                 template_kwargs.update(requested)
-            elif not self._warned_template_kwargs:
-                self._warned_template_kwargs = True
-                log.warning(
-                    "dropping the request's top-level chat_template_kwargs "
-                    "(forward_request_chat_template_kwargs is false); use metadata.chat_template_kwargs"
-                )
+            else:
+                self.warn_dropped_template_kwargs("forward_request_chat_template_kwargs is false")
         template_kwargs.update(controls.get("chat_template_kwargs", {}))
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
@@ -121,6 +117,14 @@ class Boundary:
         if config.return_token_id_information and body.get("n") not in (None, 1):
             raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
         return body
+
+    def warn_dropped_template_kwargs(self, why: str) -> None:
+        """Say once per process that requests' own chat_template_kwargs are dropped, and why."""
+        if not self._warned_template_kwargs:
+            self._warned_template_kwargs = True
+            log.warning(
+                "dropping the request's top-level chat_template_kwargs (%s); use metadata.chat_template_kwargs", why
+            )
 
     def _split(self, message: dict[str, Any], index: int) -> dict[str, Any]:
         """Move `<think>` blocks of an assistant history turn into the reasoning field(s)."""
