@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import aiohttp
 import loadgen
 import orjson
-from procs import Service, cpu_seconds, free_port
+from procs import Service, cpu_seconds, free_port, set_cpus
 from upstream import new_loop
 
 BENCH = Path(__file__).resolve().parent
@@ -235,6 +235,8 @@ class Bench:
         self.services[service.name] = service
         service.start()
         service.wait_ready(processes=processes, marker=marker)
+        if self.args.target_cpus and service.name != "upstream":
+            set_cpus(service.pids, self.args.target_cpus)
 
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):
@@ -506,6 +508,22 @@ def _names(text: str, known: Iterable[str], what: str) -> list[str]:
     return names
 
 
+def _cpus(text: str) -> set[int]:
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--target-cpus takes CPU numbers like 1 or 2-3, got {text!r}") from None
+    available = os.sched_getaffinity(0)
+    if not cpus <= available or cpus == available:
+        raise argparse.ArgumentTypeError(
+            f"--target-cpus {text}: must be some, not all, of this machine's CPUs {sorted(available)}"
+        )
+    return cpus
+
+
 def _variant(text: str) -> tuple[str, str]:
     name, sep, command = text.partition("=")
     if not sep or not name.strip() or not command.strip() or name.strip() in ("upstream", "floor"):
@@ -574,6 +592,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="one more gymproxy target, started as `COMMAND serve ...` instead of `python -m gymproxy "
         "serve ...`, e.g. another checkout: 'new=/path/venv/bin/python -m gymproxy' (repeatable)",
     )
+    parser.add_argument(
+        "--target-cpus",
+        type=_cpus,
+        metavar="LIST",
+        help="run the floor and gymproxy on these CPUs (e.g. 1 or 2-3) and the load generator and the canned "
+        "upstream on the others, so they never compete for a core (default: no pinning)",
+    )
     parser.add_argument("--config", help="gymproxy config file (also used to build the floor's chat bodies)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="passed to gymproxy serve")
     parser.add_argument("--profile", metavar="FILE", help="run gymproxy under cProfile, write FILE, print the top")
@@ -597,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(args.log_dir or tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
         bench = Bench(args, log_dir)
+        if args.target_cpus:  # this process (the load generator) and the upstream it starts keep the rest
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - args.target_cpus)
         loop = new_loop()
         try:
             bench.start()

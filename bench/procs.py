@@ -52,6 +52,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def set_cpus(pids: Sequence[int], cpus: set[int]) -> None:
+    """Run every thread of `pids` on `cpus` only (threads started later inherit it)."""
+    for pid in pids:
+        try:
+            threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except FileNotFoundError:
+            continue
+        for tid in threads:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -9,12 +9,11 @@ GymproxyError                   500 server_error
 │   └── UpstreamTimeout         504 upstream_error
 └── NoUpstream                  503 upstream_error          (every upstream is marked down)
 
-Handlers raise; `openai_errors` renders. No traceback or Python repr ever reaches a client.
+Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -118,26 +117,19 @@ def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
     return BadRequest(f"{text} at `{path}`" if path and not unknown else text, param=path or None)
 
 
-def openai_errors(handler: Handler) -> Handler:
-    """Render any error of `handler` as an OpenAI error body; scoped to gymproxy's own routes."""
-
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except GymproxyError as exc:
-            return error_response(exc)
-        except web.HTTPRequestEntityTooLarge as exc:
-            return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
-        except web.HTTPException:
-            raise
-        except RecursionError:  # only client JSON nests deep enough to exhaust the stack
-            return error_response(BadRequest("the request body is nested too deeply"))
-        except Exception:  # a bug in gymproxy: log it whole, tell the client only that it happened
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            return error_response(GymproxyError("internal error in gymproxy (see its log)"))
-
-    return wrapped
+def render(exc: Exception, request: web.Request) -> web.Response:
+    """Any error a handler raised, as an OpenAI error response; aiohttp's own HTTP exceptions go on."""
+    if isinstance(exc, GymproxyError):
+        return error_response(exc)
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
+    if isinstance(exc, web.HTTPException):
+        raise exc
+    if isinstance(exc, RecursionError):  # only client JSON nests deep enough to exhaust the stack
+        return error_response(BadRequest("the request body is nested too deeply"))
+    # A bug in gymproxy: log it whole, tell the client only that it happened.
+    log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
+    return error_response(GymproxyError("internal error in gymproxy (see its log)"))
 
 
 def error_response(exc: GymproxyError) -> web.Response:

@@ -1,6 +1,6 @@
 """Mounting gymproxy: `setup(app, config, prefix=...)` into an existing aiohttp app, or `create_app(config)`.
 
-Each route is bound to its `Proxy` and wrapped in `openai_errors`, so gymproxy never adds
+Each route is bound to its `Proxy` by `bind`, which also renders its errors, so gymproxy never adds
 app-wide middleware and several instances can live in one app under different prefixes.
 """
 
@@ -16,7 +16,7 @@ from aiohttp import web
 
 from . import handlers
 from .config import Config
-from .errors import Handler, Unauthorized, openai_errors
+from .errors import Handler, Unauthorized, render
 from .ids import hex32
 from .state import Proxy
 from .upstream import REQUEST_ID, TRACE, stamp
@@ -86,20 +86,19 @@ def bind(proxy: Proxy, handler: BoundHandler, route: str, *, open_route: bool = 
     """A route handler: access check, request id, errors rendered, cookie and metrics recorded."""
     metrics = proxy.metrics
     keys = [key.encode() for key in proxy.config.access.api_keys] if not open_route else []
+    refused = "a valid `Authorization: Bearer <key>` header is required"
 
-    async def bound(request: web.Request) -> web.StreamResponse:
-        if keys and not _authorized(request, keys):
-            raise Unauthorized("a valid `Authorization: Bearer <key>` header is required")
-        return await handler(proxy, request)
-
-    bound.__name__ = handler.__name__
-    rendered = openai_errors(bound)
-
+    # One coroutine around the handler: every await of a request passes through each layer.
     async def served(request: web.Request) -> web.StreamResponse:
         start = _loop_time()
         request[REQUEST_ID] = _request_id(request)
         request[TRACE] = (metrics, route, start)
-        response = await rendered(request)
+        try:
+            if keys and not _authorized(request, keys):
+                raise Unauthorized(refused)
+            response = await handler(proxy, request)
+        except Exception as exc:
+            response = render(exc, request)
         if not response.prepared:
             stamp(request, response)  # errors of a new session carry its cookie too
         metrics.requests[(route, response.status)] += 1

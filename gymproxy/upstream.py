@@ -12,8 +12,7 @@ import asyncio
 import io
 import logging
 import secrets
-from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 import aiohttp
@@ -56,6 +55,7 @@ class Upstream:
         "base_url",
         "weight",
         "headers",
+        "json_headers",
         "urls",
         "inflight",
         "healthy",
@@ -73,6 +73,7 @@ class Upstream:
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
         self.headers = headers
+        self.json_headers = {**headers, **JSON_HEADERS}
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         query = dict(config.default_query)
 
@@ -134,8 +135,7 @@ class UpstreamPool:
         self.cookie_name = pinning.cookie_name
         self.session_header = pinning.session_header
 
-    @asynccontextmanager
-    async def request(
+    def request(
         self,
         request: web.Request,
         route: str,
@@ -143,17 +143,10 @@ class UpstreamPool:
         *,
         method: str = "POST",
         key: str | None = None,
-    ) -> AsyncIterator[tuple[Upstream, aiohttp.ClientResponse]]:
-        """Send to the request's pinned upstream; the upstream response is closed on exit if unread."""
-        upstream, response = await self._send(request, route, data, method, key)
-        try:
-            yield upstream, response
-        except BaseException:
-            response.close()  # the client left or we failed: make vLLM stop generating
-            raise
-        finally:
-            response.release()
-            upstream.release()
+    ) -> Exchange:
+        """`async with pool.request(...) as (upstream, response)`: send to the request's pinned
+        upstream; the upstream response is closed on exit if unread, and its slot given back."""
+        return Exchange(self._send(request, route, data, method, key))
 
     async def call(
         self,
@@ -165,7 +158,8 @@ class UpstreamPool:
         key: str | None = None,
     ) -> tuple[Upstream, int, bytes]:
         """Send a request and read the whole reply: (upstream, status, body); a 200 must be JSON."""
-        async with self.request(request, route, data, method=method, key=key) as (upstream, response):
+        upstream, response = await self._send(request, route, data, method, key)
+        try:
             body = await read(response)
             if response.status == 200 and response.content_type != "application/json":
                 raise UpstreamError(
@@ -173,6 +167,12 @@ class UpstreamPool:
                     ", not JSON"
                 )
             return upstream, response.status, body
+        except BaseException:
+            response.close()
+            raise
+        finally:
+            response.release()
+            upstream.release()
 
     async def call_upstream(
         self, request: web.Request, upstream: Upstream, route: str, data: bytes
@@ -184,35 +184,6 @@ class UpstreamPool:
                 return response.status, await read(response)
         finally:
             upstream.release()
-
-    async def _open(
-        self, request: web.Request, upstream: Upstream, route: str, data: bytes | None, method: str
-    ) -> aiohttp.ClientResponse:
-        """One attempt; failures are counted and mapped to 502/504 naming the URL."""
-        url = upstream.urls[route]
-        headers = {**upstream.headers, **JSON_HEADERS} if data is not None else dict(upstream.headers)
-        request_id = request.get(REQUEST_ID)
-        if request_id is not None:
-            headers["X-Request-Id"] = request_id
-        body: bytes | io.BytesIO | None = data
-        if data is not None and len(data) > LARGE_BODY:
-            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
-        try:
-            response = await self.session.request(method, url, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as exc:
-            self._count(upstream, 0)
-            self.mark(upstream, False, f"cannot connect: {_why(exc)}")
-            raise NotConnected(f"cannot reach upstream {_show(url)}: {_why(exc)}") from exc
-        except asyncio.TimeoutError as exc:
-            self._count(upstream, 0)
-            raise UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})") from exc
-        except aiohttp.ClientError as exc:
-            self._count(upstream, 0)
-            raise UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}") from exc
-        self._count(upstream, response.status)
-        if not upstream.healthy:
-            self.mark(upstream, True)  # it answered: whatever the last check said, it is up
-        return response
 
     async def _send(
         self, request: web.Request, route: str, data: bytes | None, method: str, key: str | None
@@ -240,13 +211,37 @@ class UpstreamPool:
     async def _attempt(
         self, request: web.Request, upstream: Upstream, route: str, data: bytes | None, method: str
     ) -> aiohttp.ClientResponse:
-        """One request holding an in-flight slot of `upstream`; the slot is given back if it fails."""
+        """One request holding an in-flight slot of `upstream` (given back if it fails); failures
+        are counted and mapped to 502/504 naming the URL."""
+        url = upstream.urls[route]
+        headers = (upstream.json_headers if data is not None else upstream.headers).copy()
+        request_id = request.get(REQUEST_ID)
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        body: bytes | io.BytesIO | None = data
+        if data is not None and len(data) > LARGE_BODY:
+            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
         await upstream.acquire()
         try:
-            return await self._open(request, upstream, route, data, method)
-        except BaseException:
+            response = await self.session.request(method, url, data=body, headers=headers)
+        except BaseException as exc:
             upstream.release()
-            raise
+            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+                raise
+            self._count(upstream, 0)
+            raise self._failure(upstream, url, exc) from exc
+        self._count(upstream, response.status)
+        if not upstream.healthy:
+            self.mark(upstream, True)  # it answered: whatever the last check said, it is up
+        return response
+
+    def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> UpstreamError:
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            self.mark(upstream, False, f"cannot connect: {_why(exc)}")
+            return NotConnected(f"cannot reach upstream {_show(url)}: {_why(exc)}")
+        if isinstance(exc, asyncio.TimeoutError):
+            return UpstreamTimeout(f"upstream {_show(url)} did not answer in time ({_why(exc)})")
+        return UpstreamError(f"upstream {_show(url)} failed: {_why(exc)}")
 
     def _count(self, upstream: Upstream, status: int) -> None:
         self.metrics.upstream_requests[(upstream.name, status)] += 1
@@ -322,6 +317,25 @@ async def read(response: aiohttp.ClientResponse) -> bytes:
         raise UpstreamTimeout(f"upstream {_show(response.url)} stopped sending its reply ({_why(exc)})") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"upstream {_show(response.url)} broke off its reply: {_why(exc)}") from exc
+
+
+class Exchange:
+    """The async context of `UpstreamPool.request` (a class: cheaper than @asynccontextmanager)."""
+
+    __slots__ = ("_sending", "_upstream", "_response")
+
+    def __init__(self, sending: Awaitable[tuple[Upstream, aiohttp.ClientResponse]]) -> None:
+        self._sending = sending
+
+    async def __aenter__(self) -> tuple[Upstream, aiohttp.ClientResponse]:
+        self._upstream, self._response = pair = await self._sending
+        return pair
+
+    async def __aexit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self._response.close()  # the client left or we failed: make vLLM stop generating
+        self._response.release()
+        self._upstream.release()
 
 
 def stamp(request: web.Request, response: web.StreamResponse) -> None:
