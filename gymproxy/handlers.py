@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import msgspec
 import orjson
 from aiohttp import web
@@ -29,6 +28,7 @@ from .convert.request import to_chat_body
 from .convert.stream import ChatReasoningFolder, ResponsesStream, has_reasoning
 from .convert.tokens import TokenInfo, attach_to_chat
 from .errors import BadRequest, UpstreamError
+from .http1 import ClientError
 from .replies import (
     check_completion,
     check_reply,
@@ -235,9 +235,9 @@ async def _forward(
         stamp(request, response)
         await response.prepare(request)
         try:
-            async for chunk in up.content.iter_any():
+            async for chunk in up.iter_any():
                 await response.write(chunk)
-        except (asyncio.TimeoutError, aiohttp.ClientError):
+        except (asyncio.TimeoutError, ClientError):
             # The status line is gone: drop the connection so the client sees a cut body,
             # never a complete-looking one.
             if request.transport is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import msgspec
 import orjson
 from aiohttp import web
@@ -12,6 +11,7 @@ from aiohttp import web
 from .convert.reply import NO_PARSER, fold_reasoning
 from .convert.tokens import TokenInfo, from_reply, prompt_ids_from_tokenize, tokenize_body
 from .errors import UpstreamError, UpstreamStatus
+from .http1 import Reply
 from .overflow import is_context_overflow, upstream_message
 from .schemas import ENCODER
 from .state import Proxy
@@ -20,7 +20,7 @@ from .upstream import Upstream, read
 JSON = "application/json"
 
 
-async def check_stream(proxy: Proxy, upstream: Upstream, up: aiohttp.ClientResponse) -> str | web.Response | None:
+async def check_stream(proxy: Proxy, upstream: Upstream, up: Reply) -> str | web.Response | None:
     """None when `up` is a stream to relay; otherwise what `_check_reply` says about the error."""
     if up.status == 200:
         if up.content_type == "text/event-stream":

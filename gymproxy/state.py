@@ -8,7 +8,7 @@ from .config import Config
 from .convert.boundary import Boundary
 from .convert.completions import ChatTemplate
 from .metrics import Metrics
-from .upstream import UpstreamPool, make_session, probe
+from .upstream import UpstreamPool, make_client, probe
 
 
 class Proxy:
@@ -26,13 +26,13 @@ class Proxy:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Open the upstream session (needs the running loop), log what each upstream says,
+        """Open the upstream client (needs the running loop), log what each upstream says,
         and start the background health checks."""
-        self.pool.session = make_session(self.config)
+        self.pool.client = make_client(self.config)
         self._tasks = [asyncio.ensure_future(probe(self.pool)), asyncio.ensure_future(self.pool.watch_health())]
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.pool.session.close()
+        await self.pool.client.close()

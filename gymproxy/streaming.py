@@ -13,7 +13,6 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-import aiohttp
 import msgspec
 import orjson
 from aiohttp import web
@@ -22,6 +21,7 @@ from .convert.reply import NO_PARSER, empty_completion
 from .convert.stream import ChatReasoningFolder, ResponsesStream, has_reasoning
 from .convert.tokens import TokenInfo
 from .errors import GymproxyError, UpstreamError
+from .http1 import ClientError, Reply
 from .schemas import ENCODER
 from .schemas.chat import CHUNK_DECODER, ChatChunk, ChunkChoice
 from .sse import DONE, SSEDecoder, SSEError
@@ -36,7 +36,7 @@ KEEPALIVE = b": keep-alive\n\n"
 # Upstream troubles after the status line: the stream is ended with an error event.
 READ_ERRORS = (
     asyncio.TimeoutError,
-    aiohttp.ClientError,
+    ClientError,
     SSEError,
     msgspec.DecodeError,
     orjson.JSONDecodeError,
@@ -129,7 +129,7 @@ async def open_stream(request: web.Request, interval: float) -> SSEWriter:
 
 async def relay_chat(
     request: web.Request,
-    up: aiohttp.ClientResponse,
+    up: Reply,
     upstream: Upstream,
     *,
     fold: ChatReasoningFolder | None,
@@ -145,7 +145,7 @@ async def relay_chat(
     failure: str | None = None
     out: list[bytes] = []
     try:
-        async for data in up.content.iter_any():
+        async for data in up.iter_any():
             for payload in body.feed(data):
                 # Relayed as is: checked for JSON and an error only, never built into objects.
                 if _CHUNK_CHECK.decode(payload).error is not None:
@@ -179,7 +179,7 @@ async def relay_chat(
 
 async def relay_responses(
     request: web.Request,
-    up: aiohttp.ClientResponse,
+    up: Reply,
     upstream: Upstream,
     translator: ResponsesStream,
     *,
@@ -194,7 +194,7 @@ async def relay_responses(
     out: list[bytes] = []
     try:
         await writer.write(translator.start())
-        async for data in up.content.iter_any():
+        async for data in up.iter_any():
             for payload in body.feed(data):
                 chunk = CHUNK_DECODER.decode(payload)
                 if chunk.error is not None:
@@ -220,14 +220,14 @@ async def relay_responses(
     return await _end(up, writer, b"".join(out))
 
 
-def _gone(up: aiohttp.ClientResponse, writer: SSEWriter) -> web.StreamResponse:
+def _gone(up: Reply, writer: SSEWriter) -> web.StreamResponse:
     """The client went away: close the upstream connection at once so vLLM aborts the generation."""
     up.close()
     writer.stop()
     return writer.response
 
 
-async def _end(up: aiohttp.ClientResponse, writer: SSEWriter, tail: bytes) -> web.StreamResponse:
+async def _end(up: Reply, writer: SSEWriter, tail: bytes) -> web.StreamResponse:
     try:
         await writer.write(tail)
         await writer.close()

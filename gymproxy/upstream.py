@@ -1,4 +1,4 @@
-"""The upstream vLLM fleet: one shared `ClientSession`, pinning, health, and failover.
+"""The upstream vLLM fleet: one shared HTTP client (`http1.Client`), pinning, health, and failover.
 
 Every failure to talk to an upstream becomes an `UpstreamError` (502) or `UpstreamTimeout` (504)
 whose message names the URL that failed, so a wrong `base_url` is obvious at once. A request is
@@ -9,25 +9,23 @@ reached vLLM and no generation is ever run twice.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import secrets
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from yarl import URL
 
 from .config import Config, UpstreamSpec, upstream_specs
 from .errors import GymproxyError, NoUpstream, UpstreamError, UpstreamTimeout
+from .http1 import CannotConnect, Client, ClientError, Reply
 from .metrics import Metrics
 from .pinning import Pinner, Signer
 
 log = logging.getLogger("gymproxy")
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-LARGE_BODY = 1024 * 1024
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 # Per-request storage: typed keys where aiohttp has them (3.14+), plain strings before that.
 _RequestKey: Any = getattr(web, "RequestKey", None)
@@ -115,7 +113,7 @@ class Upstream:
 class UpstreamPool:
     """The upstreams of one gymproxy, the session all requests share, and the pinning rules."""
 
-    session: aiohttp.ClientSession  # opened by Proxy.start() once a loop runs
+    client: Client  # opened by Proxy.start() once a loop runs
 
     def __init__(self, config: Config, metrics: Metrics) -> None:
         self.config = config
@@ -187,7 +185,7 @@ class UpstreamPool:
 
     async def _send(
         self, request: web.Request, route: str, data: bytes | None, method: str, key: str | None
-    ) -> tuple[Upstream, aiohttp.ClientResponse]:
+    ) -> tuple[Upstream, Reply]:
         if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
             upstream = self.upstreams[0]
             return upstream, await self._attempt(request, upstream, route, data, method)
@@ -210,7 +208,7 @@ class UpstreamPool:
 
     async def _attempt(
         self, request: web.Request, upstream: Upstream, route: str, data: bytes | None, method: str
-    ) -> aiohttp.ClientResponse:
+    ) -> Reply:
         """One request holding an in-flight slot of `upstream` (given back if it fails); failures
         are counted and mapped to 502/504 naming the URL."""
         url = upstream.urls[route]
@@ -218,15 +216,12 @@ class UpstreamPool:
         request_id = request.get(REQUEST_ID)
         if request_id is not None:
             headers["X-Request-Id"] = request_id
-        body: bytes | io.BytesIO | None = data
-        if data is not None and len(data) > LARGE_BODY:
-            body = io.BytesIO(data)  # aiohttp warns that large bytes bodies block the loop
         await upstream.acquire()
         try:
-            response = await self.session.request(method, url, data=body, headers=headers)
+            response = await self.client.request(method, url, headers, data)
         except BaseException as exc:
             upstream.release()
-            if not isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError)):
+            if not isinstance(exc, (ClientError, asyncio.TimeoutError)):
                 raise
             self._count(upstream, 0)
             raise self._failure(upstream, url, exc) from exc
@@ -236,7 +231,7 @@ class UpstreamPool:
         return response
 
     def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> UpstreamError:
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, CannotConnect):
             self.mark(upstream, False, f"cannot connect: {_why(exc)}")
             return NotConnected(f"cannot reach upstream {_show(url)}: {_why(exc)}")
         if isinstance(exc, asyncio.TimeoutError):
@@ -256,14 +251,11 @@ class UpstreamPool:
 
     async def check_health(self) -> None:
         """One round of `/health` checks on every upstream."""
-        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout)
-
         async def check(upstream: Upstream) -> None:
             try:
-                async with self.session.get(upstream.urls["health"], headers=upstream.headers, timeout=timeout) as r:
-                    await r.read()
-                    ok, why = r.status == 200, f"/health answered {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                status, _ = await asyncio.wait_for(self.get(upstream, "health"), self.config.health.timeout)
+                ok, why = status == 200, f"/health answered {status}"
+            except (ClientError, asyncio.TimeoutError) as exc:
                 ok, why = False, f"/health failed: {_why(exc)}"
             # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row.
             upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
@@ -271,6 +263,11 @@ class UpstreamPool:
                 self.mark(upstream, ok, why)
 
         await asyncio.gather(*(check(u) for u in self.upstreams))
+
+    async def get(self, upstream: Upstream, route: str) -> tuple[int, bytes]:
+        """A GET of the pool's own (health checks, the startup probe): status and body."""
+        async with await self.client.request("GET", upstream.urls[route], upstream.headers) as reply:
+            return reply.status, await reply.read()
 
     async def watch_health(self) -> None:
         while True:
@@ -309,13 +306,13 @@ class UpstreamPool:
         )
 
 
-async def read(response: aiohttp.ClientResponse) -> bytes:
+async def read(response: Reply) -> bytes:
     """The whole body, with read failures mapped to 502/504 naming the upstream."""
     try:
         return await response.read()
     except asyncio.TimeoutError as exc:
         raise UpstreamTimeout(f"upstream {_show(response.url)} stopped sending its reply ({_why(exc)})") from exc
-    except aiohttp.ClientError as exc:
+    except ClientError as exc:
         raise UpstreamError(f"upstream {_show(response.url)} broke off its reply: {_why(exc)}") from exc
 
 
@@ -324,10 +321,10 @@ class Exchange:
 
     __slots__ = ("_sending", "_upstream", "_response")
 
-    def __init__(self, sending: Awaitable[tuple[Upstream, aiohttp.ClientResponse]]) -> None:
+    def __init__(self, sending: Awaitable[tuple[Upstream, Reply]]) -> None:
         self._sending = sending
 
-    async def __aenter__(self) -> tuple[Upstream, aiohttp.ClientResponse]:
+    async def __aenter__(self) -> tuple[Upstream, Reply]:
         self._upstream, self._response = pair = await self._sending
         return pair
 
@@ -362,31 +359,24 @@ def pin_cookie(header: str | None, name: str) -> str | None:
     return None
 
 
-def make_session(config: Config) -> aiohttp.ClientSession:
-    """The one ClientSession of an app, tuned for thousands of long-running concurrent requests."""
+def make_client(config: Config) -> Client:
+    """The one upstream client of an app, for thousands of long-running concurrent requests."""
     timeouts = config.timeouts
-    connector = aiohttp.TCPConnector(
+    return Client(
         limit=config.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=timeouts.keepalive,
-        ttl_dns_cache=300,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.read),
-        cookie_jar=aiohttp.DummyCookieJar(),
+        keepalive=timeouts.keepalive,
+        connect_timeout=timeouts.connect,
+        read_timeout=timeouts.read,
     )
 
 
 async def probe(pool: UpstreamPool) -> None:
     """Log each upstream and whether its /v1/models answered, naming the URL tried."""
-    timeout = aiohttp.ClientTimeout(total=10)
     for upstream in pool.upstreams:
         url = _show(upstream.urls["models"])
         try:
-            async with pool.session.get(upstream.urls["models"], headers=upstream.headers, timeout=timeout) as r:
-                status, body = r.status, await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            status, body = await asyncio.wait_for(pool.get(upstream, "models"), 10)
+        except (ClientError, asyncio.TimeoutError) as exc:
             log.warning("upstream %s: %s is NOT answering: %s", upstream.base_url, url, _why(exc))
             continue
         if status == 200:

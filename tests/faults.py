@@ -250,8 +250,8 @@ async def start_proxy(aiohttp_server: Any, base_url: str | list[str], **config: 
 
 
 def acquired(proxy: Any) -> int:
-    """Upstream connections the proxy's pool holds for requests in flight (aiohttp keeps no public count)."""
-    return len(getattr(proxy.pool.session.connector, "_acquired", ()))
+    """Upstream connections the proxy's client has lent to requests in flight."""
+    return int(proxy.pool.client.in_use)
 
 
 async def eventually(predicate: Callable[[], bool], seconds: float = 5.0, step: float = 0.02) -> bool:

@@ -368,7 +368,7 @@ async def test_upstream_closing_idle_connections(aiohttp_server, keepalive):
                 strict=True,
                 reason="keep-alive race: with timeouts.keepalive (4 s) above the upstream's idle limit (1 s), "
                 "a request sent on a reused connection just as the upstream closes it gets a 502; "
-                "UpstreamPool._open does not retry a request that failed on a reused connection before "
+                "UpstreamPool._attempt does not retry a request that failed on a reused connection before "
                 "any response byte arrived (wire-facts D.1)",
             ),
         ),
