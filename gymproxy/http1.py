@@ -339,7 +339,12 @@ class Client:
     """Keep-alive connections per host, at most `limit` at once (0: no limit)."""
 
     def __init__(
-        self, *, limit: int = 0, keepalive: float = 4.0, connect_timeout: float | None = 10.0, read_timeout: float | None
+        self,
+        *,
+        limit: int = 0,
+        keepalive: float = 4.0,
+        connect_timeout: float | None = 10.0,
+        read_timeout: float | None,
     ) -> None:
         self.limit = limit
         self.keepalive = keepalive
@@ -353,7 +358,13 @@ class Client:
         self._closed = False
 
     async def request(
-        self, method: str, url: URL, headers: Mapping[str, str], body: bytes | None = None, *, timeout: float | None = None
+        self,
+        method: str,
+        url: URL,
+        headers: Mapping[str, str],
+        body: bytes | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Reply:
         """Send one request and read the reply's status line and headers. `timeout` bounds the
         whole exchange up to the headers (health checks); by default only the read timeout applies."""

@@ -251,6 +251,7 @@ class UpstreamPool:
 
     async def check_health(self) -> None:
         """One round of `/health` checks on every upstream."""
+
         async def check(upstream: Upstream) -> None:
             try:
                 status, _ = await asyncio.wait_for(self.get(upstream, "health"), self.config.health.timeout)
