@@ -8,7 +8,8 @@ every figure printed is the median over rounds; ratios are taken within a round 
 
 Targets:
     upstream   the upstream itself (canned: its CPU; for streams, the TTFB to beat)
-    floor      reads the body, posts the same bytes upstream, returns the reply
+    floor      reads the body, posts the same bytes upstream, returns the reply (aiohttp's client)
+    lean-floor the same relay through gymproxy's own upstream client (gymproxy.http1); opt-in
     gymproxy   gymproxy, with --workers N (several values give several targets)
 
 The floor and the upstream are sent the chat body gymproxy itself would send upstream, so every
@@ -214,6 +215,10 @@ class Bench:
         if "floor" in args.targets:
             port = free_port()
             self._start(Service("floor", [py, str(BENCH / "floor.py"), *ups, "--port", str(port)], port, self.log_dir))
+        if "lean-floor" in args.targets:
+            port = free_port()
+            argv = [py, str(BENCH / "floor.py"), *ups, "--port", str(port), "--client", "gymproxy"]
+            self._start(Service("lean-floor", argv, port, self.log_dir))
         for name, command, workers in self.gymproxies():
             port = free_port()
             argv = [*command, "serve", *ups, "--host", LOOPBACK, "--port", str(port), "--workers", str(workers)]
@@ -249,7 +254,7 @@ class Bench:
         return self.services[target].url + route
 
     def proxied(self, target: str) -> bool:
-        return target not in ("upstream", "floor")
+        return target not in ("upstream", "floor", "lean-floor")
 
     def targets(self) -> list[str]:
         names: list[str] = []
@@ -526,7 +531,7 @@ def _cpus(text: str) -> set[int]:
 
 def _variant(text: str) -> tuple[str, str]:
     name, sep, command = text.partition("=")
-    if not sep or not name.strip() or not command.strip() or name.strip() in ("upstream", "floor"):
+    if not sep or not name.strip() or not command.strip() or name.strip() in ("upstream", "floor", "lean-floor"):
         raise argparse.ArgumentTypeError(f"--variant takes NAME=COMMAND, got {text!r}")
     return name.strip(), command
 
@@ -544,9 +549,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--targets",
-        type=lambda t: _names(t, ("upstream", "floor", "gymproxy"), "target"),
+        type=lambda t: _names(t, ("upstream", "floor", "lean-floor", "gymproxy"), "target"),
         default=["upstream", "floor", "gymproxy"],
-        help="comma-separated: upstream,floor,gymproxy",
+        help="comma-separated: upstream,floor,lean-floor,gymproxy (default: all but lean-floor)",
     )
     parser.add_argument("--concurrency", type=int, default=16, help="connections kept busy (default 16)")
     parser.add_argument(
