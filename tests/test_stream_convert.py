@@ -893,3 +893,25 @@ def test_folder_tracks_each_choice_index():
         for choice in orjson.loads(payload)["choices"]:
             by_index[choice["index"]] += choice["delta"].get("content") or ""
     assert by_index == {0: "<think>a</think>b", 1: "<think>y</think>z"}
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    ],
+)
+@pytest.mark.parametrize(
+    ("item_id", "delta"),
+    [("msg_0", "hello"), ('call_"odd"\\id', 'quote " backslash \\ newline \n tab \t nul \x00 é 😀 </script>'), ("rs_1", "")],
+)
+def test_delta_frames_are_the_structs_bytes(kind: str, item_id: str, delta: str) -> None:
+    """The pre-encoded delta frames are byte for byte what encoding their event Structs gives."""
+    from gymproxy.schemas.events import delta_event, encode_delta, encode_event
+
+    for seq, output_index, index in [(0, 0, 0), (12345, 7, 3)]:
+        expected = encode_event(delta_event(kind, seq, item_id, output_index, index, delta))
+        assert encode_delta(kind, seq, item_id, output_index, index, delta) == expected

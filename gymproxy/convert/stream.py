@@ -19,19 +19,16 @@ from ..errors import UpstreamError
 from ..ids import new_id
 from ..schemas.chat import AssistantMessage, ChatChunk, ChatCompletion, Choice, FunctionCall, ToolCall, Usage
 from ..schemas.events import (
-    ArgumentsDelta,
     ArgumentsDone,
     ContentPartEvent,
     Event,
     ItemEvent,
-    RefusalDelta,
     RefusalDone,
     ResponseEvent,
-    SummaryDelta,
     SummaryDone,
     SummaryPartEvent,
-    TextDelta,
     TextDone,
+    encode_delta,
     encode_event,
 )
 from ..schemas.responses import (
@@ -68,6 +65,8 @@ class ThinkSplitter:
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         """Pieces of ("text" | "think" | "think_start" | "think_end", text)."""
+        if not self._held and "<" not in text:  # no tag, nor the start of one: most tokens
+            return [("think" if self.inside else "text", text)] if text else []
         text = self._held + text
         self._held = ""
         pieces: list[tuple[str, str]] = []
@@ -313,15 +312,13 @@ class ResponsesStream:
             )
         if text:
             self.summary.append(text)
-            self._emit(
-                SummaryDelta(
-                    "response.reasoning_summary_text.delta",
-                    0,
-                    self.reasoning_id,
-                    self.reasoning_index,
-                    self.summary_index,
-                    text,
-                )
+            assert self.reasoning_id is not None
+            self._delta(
+                "response.reasoning_summary_text.delta",
+                self.reasoning_id,
+                self.reasoning_index,
+                self.summary_index,
+                text,
             )
 
     def _end_summary(self) -> None:
@@ -364,9 +361,7 @@ class ResponsesStream:
                 )
             )
         self.text.append(text)
-        self._emit(
-            TextDelta("response.output_text.delta", 0, self.message_id, self.message_index, self.text_part, text)
-        )
+        self._delta("response.output_text.delta", self.message_id, self.message_index, self.text_part, text)
 
     def _refusal(self, text: str) -> None:
         if self.kind != "message":
@@ -381,9 +376,7 @@ class ResponsesStream:
                 )
             )
         self.refusal_text.append(text)
-        self._emit(
-            RefusalDelta("response.refusal.delta", 0, self.message_id, self.message_index, self.refusal_part, text)
-        )
+        self._delta("response.refusal.delta", self.message_id, self.message_index, self.refusal_part, text)
 
     def _tool_call(self, fragment: dict[str, Any]) -> None:
         index = fragment.get("index", 0)
@@ -402,9 +395,7 @@ class ResponsesStream:
         arguments = function.get("arguments")
         if arguments:
             call.arguments.append(arguments)
-            self._emit(
-                ArgumentsDelta("response.function_call_arguments.delta", 0, call.id, call.output_index, arguments)
-            )
+            self._delta("response.function_call_arguments.delta", call.id, call.output_index, 0, arguments)
 
     def _close(self) -> None:
         """Emit the `.done` events of the open item."""
@@ -466,6 +457,10 @@ class ResponsesStream:
         event.sequence_number = self.seq  # type: ignore[attr-defined]
         self.seq += 1
         self.frames.append(encode_event(event))
+
+    def _delta(self, kind: str, item_id: str, output_index: int, index: int, delta: str) -> None:
+        self.frames.append(encode_delta(kind, self.seq, item_id, output_index, index, delta))
+        self.seq += 1
 
     def _take(self) -> bytes:
         frames, self.frames = self.frames, []

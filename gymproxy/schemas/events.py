@@ -1,7 +1,8 @@
 """Responses streaming events (wire-facts B.2): one Struct per payload shape, `type` first.
 
 Every event carries `sequence_number`; `encode_event` frames one as `event: <type>` plus its JSON
-`data:` line, so the event name and the payload's `type` cannot disagree.
+`data:` line, so the event name and the payload's `type` cannot disagree. `encode_delta` writes
+the four `*.delta` events (one per streamed token) straight to bytes, identical to their Structs.
 """
 
 from __future__ import annotations
@@ -125,3 +126,42 @@ class ArgumentsDone(Event):
 def encode_event(event: Event) -> bytes:
     """One SSE frame: `event: <type>\\ndata: <json>\\n\\n`."""
     return b"event: " + event.type.encode() + b"\ndata: " + ENCODER.encode(event) + b"\n\n"  # type: ignore[attr-defined]
+
+
+# The delta events, sent once per streamed token: (index field after output_index, what ends the object).
+_DELTAS = {
+    "response.output_text.delta": (TextDelta, b',"content_index":%d', b',"logprobs":[]}'),
+    "response.refusal.delta": (RefusalDelta, b',"content_index":%d', b"}"),
+    "response.reasoning_summary_text.delta": (SummaryDelta, b',"summary_index":%d', b"}"),
+    "response.function_call_arguments.delta": (ArgumentsDelta, b"", b"}"),
+}
+_DELTA_FRAMES = {
+    kind: (b'event: %s\ndata: {"type":"%s","sequence_number":' % (kind.encode(), kind.encode()), index, end)
+    for kind, (_, index, end) in _DELTAS.items()
+}
+
+
+def encode_delta(kind: str, sequence_number: int, item_id: str, output_index: int, index: int, delta: str) -> bytes:
+    """The frame `encode_event` makes of a delta event's Struct, byte for byte, without building one."""
+    head, index_field, end = _DELTA_FRAMES[kind]
+    return b"".join(
+        (
+            head,
+            b'%d,"item_id":' % sequence_number,
+            ENCODER.encode(item_id),
+            b',"output_index":%d' % output_index,
+            index_field % index if index_field else b"",
+            b',"delta":',
+            ENCODER.encode(delta),
+            end,
+            b"\n\n",
+        )
+    )
+
+
+def delta_event(kind: str, sequence_number: int, item_id: str, output_index: int, index: int, delta: str) -> Event:
+    """The Struct `encode_delta` stands for (what tests compare it with)."""
+    struct, index_field, _ = _DELTAS[kind]
+    if index_field:
+        return struct(kind, sequence_number, item_id, output_index, index, delta)  # type: ignore[no-any-return]
+    return struct(kind, sequence_number, item_id, output_index, delta)  # type: ignore[no-any-return]
