@@ -345,7 +345,9 @@ class Client:
         keepalive: float = 4.0,
         connect_timeout: float | None = 10.0,
         read_timeout: float | None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls` verifies https upstreams (default: the system's trust store)."""
         self.limit = limit
         self.keepalive = keepalive
         self.connect_timeout = connect_timeout
@@ -354,7 +356,7 @@ class Client:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._slots = asyncio.Semaphore(limit) if limit else None
         self._sweeper: asyncio.TimerHandle | None = None
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls
         self._closed = False
 
     async def request(

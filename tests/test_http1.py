@@ -8,7 +8,10 @@ trailers, bodies that end with the connection, interim 1xx replies, and each way
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -390,3 +393,46 @@ async def test_a_connection_the_upstream_closed_while_idle_is_not_reused(client:
             reply.release()
             await asyncio.sleep(0.05)
         assert server.connections == 2
+
+
+@pytest.fixture
+def certificate(tmp_path):
+    """A self-signed certificate for 127.0.0.1 (made with the openssl command line)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_https_upstream(certificate) -> None:
+    cert, key = certificate
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def serve(reader, writer):
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(ok(b'{"tls":true}'))
+
+    server = await asyncio.start_server(lambda r, w: Scripted(serve)._handle(r, w), "127.0.0.1", 0, ssl=server_tls)
+    url = URL(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/models")
+    trusting = Client(read_timeout=5.0, tls=ssl.create_default_context(cafile=str(cert)))
+    default = Client(read_timeout=5.0)
+    try:
+        for _ in range(2):
+            reply = await trusting.request("GET", url, {})
+            assert await reply.read() == b'{"tls":true}'
+            reply.release()
+        assert trusting.idle == 1
+        with pytest.raises(CannotConnect, match="CERTIFICATE_VERIFY_FAILED"):
+            await default.request("GET", url, {})  # not in the system's trust store
+    finally:
+        await trusting.close()
+        await default.close()
+        server.close()
