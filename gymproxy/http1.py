@@ -29,6 +29,7 @@ from yarl import URL
 MAX_HEAD = 64 * 1024  # status line and headers of one reply
 HIGH_WATER = 256 * 1024  # unread bytes buffered before the upstream is asked to pause
 NO_BODY_STATUSES = frozenset({204, 304})
+_HEX = b"0123456789abcdefABCDEF"
 
 
 class ClientError(Exception):
@@ -295,11 +296,14 @@ class Reply:
                         raise BadReply("the upstream's chunked body is malformed (size line too long)")
                     break
                 size_text = bytes(buffer[:end]).partition(b";")[0].strip()
-                try:
-                    size = int(size_text, 16)
-                except ValueError:
-                    raise BadReply(f"the upstream's chunked body is malformed (size {size_text[:20]!r})") from None
+                if not size_text or size_text.strip(_HEX):
+                    raise BadReply(f"the upstream's chunked body is malformed (size {size_text[:20]!r})")
+                size = int(size_text, 16)
                 del buffer[: end + 2]
+                if size and buffer[size : size + 2] == b"\r\n":  # the whole chunk is here (one SSE event, mostly)
+                    out.append(bytes(buffer[:size]))
+                    del buffer[: size + 2]
+                    continue
                 state = size if size > 0 else -2
             else:  # -2: trailers after the last chunk, up to an empty line
                 end = buffer.find(b"\r\n")
