@@ -1,7 +1,7 @@
 """The bare relay floor: the least any aiohttp proxy does, to measure gymproxy against.
 
 It reads the request body, POSTs the same bytes to the same path on the upstream through one
-shared ClientSession (the connector settings of gymproxy's `upstream.make_session`), and returns
+shared ClientSession (with the connector settings gymproxy used before it had its own client), and returns
 the reply: whole, or for an event stream, relayed chunk by chunk with `iter_any` + `write`. It
 runs on the same event loop gymproxy picks (uvloop when installed) and without an access log, as
 `gymproxy serve` does. Several `--upstream` URLs are used in turn.
@@ -37,7 +37,7 @@ def create_app(upstreams: list[str], client: str = "aiohttp") -> web.Application
     bases = itertools.cycle([url.rstrip("/") for url in upstreams])
 
     async def session(app: web.Application) -> AsyncIterator[None]:
-        # As gymproxy.upstream.make_session with the default config.
+        # The connector settings gymproxy used with aiohttp, at its default config.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=None)
         app[SESSION] = aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar())
