@@ -369,13 +369,8 @@ class Client:
         url: URL,
         headers: Mapping[str, str],
         body: bytes | None = None,
-        *,
-        timeout: float | None = None,
     ) -> Reply:
-        """Send one request and read the reply's status line and headers. `timeout` bounds the
-        whole exchange up to the headers (health checks); by default only the read timeout applies."""
-        if timeout is not None:
-            return await asyncio.wait_for(self.request(method, url, headers, body), timeout)
+        """Send one request and read the reply's status line and headers."""
         if self._closed:
             raise CannotConnect("the client is closed")
         head = _head(method, url, headers, body)

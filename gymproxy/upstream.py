@@ -111,7 +111,7 @@ class Upstream:
 
 
 class UpstreamPool:
-    """The upstreams of one gymproxy, the session all requests share, and the pinning rules."""
+    """The upstreams of one gymproxy, the client all requests share, and the pinning rules."""
 
     client: Client  # opened by Proxy.start() once a loop runs
 

@@ -160,7 +160,9 @@ def _chunk(delta: dict[str, Any] | None = None, finish_reason: str | None = None
         "object": "chat.completion.chunk",
         "created": CREATED,
         "model": "upstream-model",
-        "choices": [{"index": 0, "delta": delta if delta is not None else {}, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [
+            {"index": 0, "delta": delta if delta is not None else {}, "logprobs": None, "finish_reason": finish_reason}
+        ],
     }
     body.update(extra)
     return body
@@ -177,7 +179,9 @@ def _content(*pieces: str) -> list[dict[str, Any]]:
 def _call(index: int, call_id: str, name: str, *fragments: str) -> list[dict[str, Any]]:
     """vLLM's tool-call deltas: the first carries index/id/type/name, later ones argument fragments only."""
     first = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
-    return [{"tool_calls": [first]}] + [{"tool_calls": [{"index": index, "function": {"arguments": f}}]} for f in fragments]
+    return [{"tool_calls": [first]}] + [
+        {"tool_calls": [{"index": index, "function": {"arguments": f}}]} for f in fragments
+    ]
 
 
 HERMES_FIRST = {
@@ -197,7 +201,11 @@ BODIES: dict[str, tuple[list[dict[str, Any]], bool, bool]] = {
     "reasoning_then_text": (_reasoning("Let me ", "think.") + _content("The answer", " is 4."), True, True),
     "reasoning_only": (_reasoning("thinking", " harder"), True, True),
     "reasoning_content_key": (_reasoning("old ", "vllm", key="reasoning_content") + _content("ok"), True, True),
-    "reasoning_and_text_in_one_delta": ([{"reasoning": "quick thought"}, {"reasoning": " end", "content": "Answer"}], True, True),
+    "reasoning_and_text_in_one_delta": (
+        [{"reasoning": "quick thought"}, {"reasoning": " end", "content": "Answer"}],
+        True,
+        True,
+    ),
     "think_tags_straddling": (_content("<thi", "nk>let me", " think</th", "ink>The ans", "wer"), False, True),
     "two_think_blocks": (_content("<think>a</think><thi", "nk>b</think>", "X"), False, True),
     "empty_think": (_content("<think></think>x"), False, True),
@@ -213,7 +221,11 @@ BODIES: dict[str, tuple[list[dict[str, Any]], bool, bool]] = {
         True,
     ),
     "text_then_tool_call": (_content("Checking.") + _call(0, "call_abc", "lookup", '{"q": "x"}'), False, True),
-    "hermes_two_entries_one_delta": ([HERMES_FIRST, {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}], False, True),
+    "hermes_two_entries_one_delta": (
+        [HERMES_FIRST, {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}],
+        False,
+        True,
+    ),
     "tool_call_no_arguments": (_call(0, "call_none", "ping"), False, True),
     "tool_call_name_arrives_late": (
         [
@@ -348,7 +360,9 @@ def _check_protocol(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for event in events[:2]:
         assert event["response"]["status"] == "in_progress" and event["response"]["output"] == []
     assert events[-1]["type"] in TERMINAL
-    assert not any(e["type"] in TERMINAL or e["type"] in ("response.created", "response.in_progress") for e in events[2:-1])
+    assert not any(
+        e["type"] in TERMINAL or e["type"] in ("response.created", "response.in_progress") for e in events[2:-1]
+    )
     response_id = events[0]["response"]["id"]
     assert all(e["response"]["id"] == response_id for e in events if "response" in e)
 
@@ -480,7 +494,9 @@ def _normalized(response: Any) -> dict[str, Any]:
     """A Response (Struct or JSON) with gymproxy-made ids blanked; tool-call ids are the upstream's."""
     data = _as_json(response) if isinstance(response, Response) else dict(response)
     data["id"] = "resp"
-    data["output"] = [dict(item, id=item["type"]) if item["type"] in ("reasoning", "message") else item for item in data["output"]]
+    data["output"] = [
+        dict(item, id=item["type"]) if item["type"] in ("reasoning", "message") else item for item in data["output"]
+    ]
     return data
 
 
@@ -491,7 +507,9 @@ def _check_against_final(streamed: list[dict[str, Any]], final: Response, *, str
     final_summaries = [s["text"] for i in output if i["type"] == "reasoning" for s in i["summary"]]
     assert [t for s in streamed if s["type"] == "reasoning" for t in s["summaries"]] == final_summaries
     calls = [(i["call_id"], i["name"], i["arguments"]) for i in output if i["type"] == "function_call"]
-    assert [(s["item"]["call_id"], s["item"]["name"], s["arguments"]) for s in streamed if s["type"] == "function_call"] == calls
+    assert [
+        (s["item"]["call_id"], s["item"]["name"], s["arguments"]) for s in streamed if s["type"] == "function_call"
+    ] == calls
     # Every final item is one the stream announced (same type and id): the SDK checks identities.
     announced = {(s["type"], s["id"]) for s in streamed}
     assert all((i["type"], i["id"]) in announced for i in output)
@@ -535,7 +553,13 @@ def _sdk_replay(events: list[dict[str, Any]]) -> list[Any]:
 # --- ResponsesStream ----------------------------------------------------------------------------
 
 MATRIX = [
-    pytest.param(name, finish, parser, continued, id=f"{name}-{finish}-{'parser' if parser else 'noparser'}-{'cont' if continued else 'new'}")
+    pytest.param(
+        name,
+        finish,
+        parser,
+        continued,
+        id=f"{name}-{finish}-{'parser' if parser else 'noparser'}-{'cont' if continued else 'new'}",
+    )
     for name, (_, has_reasoning, _) in BODIES.items()
     for finish in FINISH_REASONS
     for parser in (True, False)
@@ -565,7 +589,10 @@ def test_responses_stream_protocol_and_final_equal_non_streaming(name, finish, p
     assert events[-1]["type"] == ("response.incomplete" if incomplete else "response.completed")
     assert final.status == ("incomplete" if incomplete else "completed")
     if incomplete:
-        assert final.incomplete_details.reason == {"length": "max_output_tokens", "content_filter": "content_filter"}[finish]
+        assert (
+            final.incomplete_details.reason
+            == {"length": "max_output_tokens", "content_filter": "content_filter"}[finish]
+        )
 
     _check_against_final(streamed, final, strict_items=strict_items or not parser)
 
@@ -612,7 +639,10 @@ def test_responses_stream_reasoning_and_tool_calls_in_detail():
     output = _as_json(final)["output"]
     assert [i["type"] for i in output] == ["reasoning", "function_call", "function_call"]
     assert output[0]["summary"] == [{"type": "summary_text", "text": "I should call tools."}]
-    assert [(i["name"], i["arguments"]) for i in output[1:]] == [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}')]
+    assert [(i["name"], i["arguments"]) for i in output[1:]] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", '{"tz": "CET"}'),
+    ]
     assert final.usage.input_tokens == 21 and final.usage.input_tokens_details.cached_tokens == 16
     assert final.usage.output_tokens_details.reasoning_tokens == 5 and final.usage.total_tokens == 34
 
@@ -624,7 +654,11 @@ def test_responses_stream_text_deltas_arrive_per_chunk():
     first = _parse_frames(stream.feed(CHUNK_DECODER.decode(orjson.dumps(_chunk({"role": "assistant", "content": ""})))))
     assert first == []
     frames = _parse_frames(stream.feed(CHUNK_DECODER.decode(orjson.dumps(_chunk({"content": "Hel"})))))
-    assert [e["type"] for e in frames] == ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+    assert [e["type"] for e in frames] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
     assert frames[-1]["delta"] == "Hel"
     frames = _parse_frames(stream.feed(CHUNK_DECODER.decode(orjson.dumps(_chunk({"content": "lo <thi"})))))
     assert [(e["type"], e["delta"]) for e in frames] == [("response.output_text.delta", "lo ")]  # the partial tag waits
@@ -772,7 +806,11 @@ FOLD_CASES = {
     "reasoning_then_content": _reasoning("Let me ", "think.") + _content("The answer", " is 4."),
     "reasoning_then_tool_calls": _reasoning("call it") + _call(0, "call_1", "f", '{"a": 1}'),
     "reasoning_then_finish_only": _reasoning("only ", "thinking"),
-    "reasoning_and_content_in_one_delta": [{"reasoning": "quick"}, {"reasoning": " thought", "content": "Answer"}, *_content("!")],
+    "reasoning_and_content_in_one_delta": [
+        {"reasoning": "quick"},
+        {"reasoning": " thought", "content": "Answer"},
+        *_content("!"),
+    ],
     "both_in_first_delta": [{"reasoning": "all at once", "content": "done"}],
     "reasoning_content_key": _reasoning("old ", "name", key="reasoning_content") + _content("ok"),
     "no_reasoning": _content("just ", "text"),
@@ -817,7 +855,12 @@ def test_folder_closes_on_finish_chunk_with_empty_delta():
     chunks = _chunks(FOLD_CASES["reasoning_then_finish_only"], "stop")
     _, out = _fold_all(chunks, continued=False)
     finish = orjson.loads(out[-2])
-    assert finish["choices"][0] == {"index": 0, "delta": {"content": "</think>"}, "logprobs": None, "finish_reason": "stop"}
+    assert finish["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "</think>"},
+        "logprobs": None,
+        "finish_reason": "stop",
+    }
 
 
 def test_folder_closes_when_length_rides_on_a_reasoning_chunk():
@@ -852,7 +895,12 @@ def test_folder_preserves_other_fields_of_rewritten_chunks():
 
 def test_folder_passes_untouched_chunks_through_as_the_same_object():
     folder = ChatReasoningFolder(continued=False)
-    for chunk in (_chunk({"role": "assistant", "content": ""}), _chunk({"content": "x"}), _chunk({}, "stop"), _chunk(choices=[], usage=USAGE)):
+    for chunk in (
+        _chunk({"role": "assistant", "content": ""}),
+        _chunk({"content": "x"}),
+        _chunk({}, "stop"),
+        _chunk(choices=[], usage=USAGE),
+    ):
         payload = orjson.dumps(chunk)
         assert folder.fold(payload) is payload
         # needed() is a cheap pre-filter: a false positive ("reasoning_tokens" in usage) costs a parse only.
@@ -895,23 +943,31 @@ def test_folder_tracks_each_choice_index():
     assert by_index == {0: "<think>a</think>b", 1: "<think>y</think>z"}
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.reasoning_summary_text.delta",
-        "response.function_call_arguments.delta",
-    ],
-)
+@pytest.mark.parametrize("kind", ["text", "refusal", "summary", "arguments"])
 @pytest.mark.parametrize(
     ("item_id", "delta"),
-    [("msg_0", "hello"), ('call_"odd"\\id', 'quote " backslash \\ newline \n tab \t nul \x00 é 😀 </script>'), ("rs_1", "")],
+    [
+        ("msg_0", "hello"),
+        ('call_"odd"\\id', 'quote " backslash \\ newline \n tab \t nul \x00 é 😀 </script>'),
+        ("rs_1", ""),
+    ],
 )
 def test_delta_frames_are_the_structs_bytes(kind: str, item_id: str, delta: str) -> None:
     """The pre-encoded delta frames are byte for byte what encoding their event Structs gives."""
-    from gymproxy.schemas.events import delta_event, encode_delta, encode_event
+    from gymproxy.schemas.events import (
+        ArgumentsDelta,
+        RefusalDelta,
+        SummaryDelta,
+        TextDelta,
+        encode_delta,
+        encode_event,
+    )
 
     for seq, output_index, index in [(0, 0, 0), (12345, 7, 3)]:
-        expected = encode_event(delta_event(kind, seq, item_id, output_index, index, delta))
-        assert encode_delta(kind, seq, item_id, output_index, index, delta) == expected
+        event = {
+            "text": TextDelta("response.output_text.delta", seq, item_id, output_index, index, delta),
+            "refusal": RefusalDelta("response.refusal.delta", seq, item_id, output_index, index, delta),
+            "summary": SummaryDelta("response.reasoning_summary_text.delta", seq, item_id, output_index, index, delta),
+            "arguments": ArgumentsDelta("response.function_call_arguments.delta", seq, item_id, output_index, delta),
+        }[kind]
+        assert encode_delta(event.type, seq, item_id, output_index, index, delta) == encode_event(event)

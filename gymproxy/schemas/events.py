@@ -128,16 +128,15 @@ def encode_event(event: Event) -> bytes:
     return b"event: " + event.type.encode() + b"\ndata: " + ENCODER.encode(event) + b"\n\n"  # type: ignore[attr-defined]
 
 
-# The delta events, sent once per streamed token: (index field after output_index, what ends the object).
-_DELTAS = {
-    "response.output_text.delta": (TextDelta, b',"content_index":%d', b',"logprobs":[]}'),
-    "response.refusal.delta": (RefusalDelta, b',"content_index":%d', b"}"),
-    "response.reasoning_summary_text.delta": (SummaryDelta, b',"summary_index":%d', b"}"),
-    "response.function_call_arguments.delta": (ArgumentsDelta, b"", b"}"),
-}
+# The delta events, sent once per streamed token: the index field after output_index, and the object's end.
 _DELTA_FRAMES = {
     kind: (b'event: %s\ndata: {"type":"%s","sequence_number":' % (kind.encode(), kind.encode()), index, end)
-    for kind, (_, index, end) in _DELTAS.items()
+    for kind, index, end in (
+        ("response.output_text.delta", b',"content_index":%d', b',"logprobs":[]}'),
+        ("response.refusal.delta", b',"content_index":%d', b"}"),
+        ("response.reasoning_summary_text.delta", b',"summary_index":%d', b"}"),
+        ("response.function_call_arguments.delta", b"", b"}"),
+    )
 }
 
 
@@ -157,11 +156,3 @@ def encode_delta(kind: str, sequence_number: int, item_id: str, output_index: in
             b"\n\n",
         )
     )
-
-
-def delta_event(kind: str, sequence_number: int, item_id: str, output_index: int, index: int, delta: str) -> Event:
-    """The Struct `encode_delta` stands for (what tests compare it with)."""
-    struct, index_field, _ = _DELTAS[kind]
-    if index_field:
-        return struct(kind, sequence_number, item_id, output_index, index, delta)  # type: ignore[no-any-return]
-    return struct(kind, sequence_number, item_id, output_index, delta)  # type: ignore[no-any-return]
