@@ -181,7 +181,7 @@ class Reply:
             if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
                 raise BadReply(f"the upstream's reply does not start with an HTTP/1.x status line: {lines[0][:80]!r}")
             status = int(code)
-            if 100 <= status < 200 and status != 101:
+            if 100 <= status < 200:
                 continue  # 100 Continue and other interim replies: the real one follows
             break
         headers: dict[str, str] = {}
@@ -198,7 +198,7 @@ class Reply:
         self._chunked = False
         self._done = False
         self._left = -1  # bytes of body still to come; -1: until the connection closes
-        if head_request or status in NO_BODY_STATUSES or status == 101:
+        if head_request or status in NO_BODY_STATUSES:
             self._left = 0
         elif "transfer-encoding" in headers:
             if headers["transfer-encoding"].lower() != "chunked":

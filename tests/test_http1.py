@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from yarl import URL
@@ -83,10 +84,22 @@ def ok(body: bytes, extra: bytes = b"") -> bytes:
 
 
 @pytest.fixture
-async def client():
-    c = Client(limit=0, keepalive=4.0, connect_timeout=2.0, read_timeout=5.0)
-    yield c
-    await c.close()
+async def new_client():
+    """Makes clients (read timeout 5 s unless given) and closes them all after the test."""
+    made: list[Client] = []
+
+    def make(**options: Any) -> Client:
+        made.append(Client(**{"connect_timeout": 2.0, "read_timeout": 5.0, **options}))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+@pytest.fixture
+def client(new_client) -> Client:
+    return new_client()
 
 
 async def test_request_bytes_on_the_wire(client: Client) -> None:
@@ -304,21 +317,18 @@ async def test_connection_refused_is_cannot_connect(client: Client) -> None:
     assert client.in_use == 0
 
 
-async def test_silence_past_the_read_timeout() -> None:
-    client = Client(read_timeout=0.2)
+async def test_silence_past_the_read_timeout(new_client) -> None:
+    client = new_client(read_timeout=0.2)
 
     async def serve(reader, writer):
         await read_request(reader)
         await asyncio.sleep(2)
 
-    try:
-        async with Scripted(serve) as server:
-            with pytest.raises(ReadTimeout) as caught:
-                await client.request("POST", server.url(), {}, b"{}")
-            assert isinstance(caught.value, asyncio.TimeoutError)  # what callers catch, on 3.10 too
-            assert client.in_use == 0
-    finally:
-        await client.close()
+    async with Scripted(serve) as server:
+        with pytest.raises(ReadTimeout) as caught:
+            await client.request("POST", server.url(), {}, b"{}")
+        assert isinstance(caught.value, asyncio.TimeoutError)  # what callers catch, on 3.10 too
+        assert client.in_use == 0
 
 
 async def test_header_line_breaks_are_refused_before_sending(client: Client) -> None:
@@ -331,8 +341,8 @@ async def test_header_line_breaks_are_refused_before_sending(client: Client) -> 
         assert server.connections == 0
 
 
-async def test_limit_holds_requests_until_a_connection_is_free() -> None:
-    client = Client(limit=1, read_timeout=5.0)
+async def test_limit_holds_requests_until_a_connection_is_free(new_client) -> None:
+    client = new_client(limit=1)
     open_now = peak = 0
 
     async def serve(reader, writer):
@@ -352,34 +362,28 @@ async def test_limit_holds_requests_until_a_connection_is_free() -> None:
         finally:
             reply.release()
 
-    try:
-        async with Scripted(serve) as server:
-            assert await asyncio.gather(*(one(server.url()) for _ in range(4))) == [b"{}"] * 4
-            assert server.connections == 4  # `Connection: close` replies are never reused
-        assert peak == 1
-    finally:
-        await client.close()
+    async with Scripted(serve) as server:
+        assert await asyncio.gather(*(one(server.url()) for _ in range(4))) == [b"{}"] * 4
+        assert server.connections == 4  # `Connection: close` replies are never reused
+    assert peak == 1
 
 
-async def test_idle_connections_close_after_keepalive() -> None:
-    client = Client(keepalive=0.2, read_timeout=5.0)
+async def test_idle_connections_close_after_keepalive(new_client) -> None:
+    client = new_client(keepalive=0.2)
 
     async def serve(reader, writer):
         while True:
             await read_request(reader)
             writer.write(ok(b"{}"))
 
-    try:
-        async with Scripted(serve) as server:
-            for _ in range(2):
-                reply = await client.request("POST", server.url(), {}, b"{}")
-                await reply.read()
-                reply.release()
-                await asyncio.sleep(0.5)
-                assert client.idle == 0  # closed by the client, before the upstream could
-            assert server.connections == 2
-    finally:
-        await client.close()
+    async with Scripted(serve) as server:
+        for _ in range(2):
+            reply = await client.request("POST", server.url(), {}, b"{}")
+            await reply.read()
+            reply.release()
+            await asyncio.sleep(0.5)
+            assert client.idle == 0  # closed by the client, before the upstream could
+        assert server.connections == 2
 
 
 async def test_a_connection_the_upstream_closed_while_idle_is_not_reused(client: Client) -> None:
@@ -413,7 +417,7 @@ def certificate(tmp_path):
     return cert, key
 
 
-async def test_https_upstream(certificate) -> None:
+async def test_https_upstream(certificate, new_client) -> None:
     cert, key = certificate
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(cert, key)
@@ -425,8 +429,8 @@ async def test_https_upstream(certificate) -> None:
 
     server = await asyncio.start_server(lambda r, w: Scripted(serve)._handle(r, w), "127.0.0.1", 0, ssl=server_tls)
     url = URL(f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/models")
-    trusting = Client(read_timeout=5.0, tls=ssl.create_default_context(cafile=str(cert)))
-    default = Client(read_timeout=5.0)
+    trusting = new_client(tls=ssl.create_default_context(cafile=str(cert)))
+    default = new_client()
     try:
         for _ in range(2):
             reply = await trusting.request("GET", url, {})
@@ -436,6 +440,4 @@ async def test_https_upstream(certificate) -> None:
         with pytest.raises(CannotConnect, match="CERTIFICATE_VERIFY_FAILED"):
             await default.request("GET", url, {})  # not in the system's trust store
     finally:
-        await trusting.close()
-        await default.close()
         server.close()

@@ -378,16 +378,21 @@ def check_tokens(vllm_root: str, sent: dict[str, Any], fields: dict[str, Any], t
     assert all(-1e-3 < lp <= 0 for lp in fields["generation_log_probs"]), fields["generation_log_probs"]
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["tokenize", "inline"])
-@STREAM
-def test_token_ids_on_responses(proxies, vllm, stream, inline):
-    proxy = proxies.get(
+def training_proxy(proxies, vllm, inline):
+    """gymproxy in training mode; prompt ids from vLLM inline, or from a /tokenize call."""
+    return proxies.get(
         f"training-{'inline' if inline else 'tokenize'}",
         [("reasoning", vllm.reasoning)],
         uses_reasoning_parser=True,
         return_token_id_information=True,
         request_prompt_and_generation_token_ids=inline,
     )
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["tokenize", "inline"])
+@STREAM
+def test_token_ids_on_responses(proxies, vllm, stream, inline):
+    proxy = training_proxy(proxies, vllm, inline)
     with proxy.client() as client:
         response = create_response(client, stream, input=QUESTION, tools=[RESPONSES_TOOL])
     _, upstream = proxy.take()
@@ -405,13 +410,7 @@ def test_token_ids_on_responses(proxies, vllm, stream, inline):
 @pytest.mark.parametrize("inline", [False, True], ids=["tokenize", "inline"])
 @STREAM
 def test_token_ids_on_chat(proxies, vllm, stream, inline):
-    proxy = proxies.get(
-        f"training-{'inline' if inline else 'tokenize'}",
-        [("reasoning", vllm.reasoning)],
-        uses_reasoning_parser=True,
-        return_token_id_information=True,
-        request_prompt_and_generation_token_ids=inline,
-    )
+    proxy = training_proxy(proxies, vllm, inline)
     with proxy.client() as client:
         message = chat(client, stream, messages=[{"role": "user", "content": "Hi"}])
     _, upstream = proxy.take()
