@@ -50,13 +50,14 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
     req = decode_responses(await read_body(request, config.max_body_size))
-    body = to_chat_body(req)
     if config.use_completions_api:
+        body = to_chat_body(req)
         return await completions_backend.serve(proxy, request, body, req=req, key=_user(req.user, config))
+    body = to_chat_body(req, proxy.boundary)
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    body = proxy.boundary.prepare(body)
+    body = proxy.boundary.prepare(body, history_done=True)
     continued = body.get("continue_final_message") is True
     model = config.model or req.model
     parser = config.uses_reasoning_parser

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gymproxy.config import build_config
 from gymproxy.convert.boundary import Boundary, sequential_reasoning_blocked
@@ -443,3 +445,50 @@ def test_trailing_reasoning_item_is_blocked_only_with_the_parser(parser, blocked
         ]
     )
     assert sequential_reasoning_blocked(boundary(uses_reasoning_parser=parser).prepare(converted)) is blocked
+
+
+# --- the Responses route: history built with the rules equals history rewritten by them -----------
+
+# Text made of tag fragments, so that `<think>` blocks, stray tags and tags that only form where two
+# texts meet are common.
+TEXT = st.lists(st.sampled_from(["<think>", "</think>", "think>", "<", "</", "thi", "nk>", "a", "\n"]), max_size=5).map(
+    "".join
+)
+ITEM = st.one_of(
+    st.builds(
+        lambda texts: {"type": "reasoning", "summary": [{"type": "summary_text", "text": t} for t in texts]},
+        st.lists(TEXT, max_size=2),
+    ),
+    st.builds(
+        lambda content: {"type": "message", "role": "assistant", "content": content},
+        TEXT
+        | st.lists(
+            st.builds(lambda t: {"type": "output_text", "text": t}, TEXT)
+            | st.builds(lambda r: {"type": "refusal", "refusal": r}, TEXT),
+            max_size=3,
+        ),
+    ),
+    st.builds(
+        lambda i: {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}, st.integers(0, 9)
+    ),
+    st.builds(lambda t: {"type": "function_call_output", "call_id": "c0", "output": t}, TEXT),
+    st.builds(lambda role, t: {"role": role, "content": t}, st.sampled_from(["user", "system", "developer"]), TEXT),
+)
+CONFIGS = [
+    {},
+    PARSER,
+    {**PARSER, "reasoning_field": "reasoning"},
+    {**PARSER, "uses_interleaved_reasoning": False},
+    {**PARSER, "preserve_reasoning_in_assistant_content": True},
+    {**PARSER, "replace_developer_role_with_system": True},
+]
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(items=st.lists(ITEM, max_size=10), config=st.sampled_from(CONFIGS), instructions=st.sampled_from([None, "be"]))
+def test_history_built_with_the_rules_is_the_history_they_rewrite(items, config, instructions):
+    req = REQUEST_DECODER.decode(orjson.dumps({"input": items, "instructions": instructions}))
+    rules = boundary(**config)
+    rewritten = rules.prepare(to_chat_body(req))
+    built = rules.prepare(to_chat_body(req, rules), history_done=True)
+    assert msgspec.json.encode(built) == msgspec.json.encode(rewritten)

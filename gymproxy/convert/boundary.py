@@ -2,7 +2,9 @@
 
 Both `/v1/chat/completions` and the Responses conversion end here. The body is a mapping owned by
 the request (decoded from the client's bytes or built by `request.py`), so it is rewritten in place
-and nothing is deep-copied; messages are replaced only where a rule changes them.
+and nothing is deep-copied; messages are replaced only where a rule changes them. The Responses
+route applies the rules for history messages (role, reasoning split) while it builds them, through
+`role` and `split_turn`, so its messages are made once instead of made and then rewritten.
 """
 
 from __future__ import annotations
@@ -60,21 +62,22 @@ class Boundary:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.reasoning_keys = _REASONING_KEYS[config.reasoning_field]
+        self.reasoning_keys = _REASONING_KEYS[config.reasoning_field] if config.uses_interleaved_reasoning else ()
         self.split_history = config.uses_reasoning_parser and not config.preserve_reasoning_in_assistant_content
+        self.developer_as_system = config.replace_developer_role_with_system
         self._warned_template_kwargs = False
 
-    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Rewrite `body` for vLLM; returns the body to send (a new mapping only when extra_body applies)."""
+    def prepare(self, body: dict[str, Any], *, history_done: bool = False) -> dict[str, Any]:
+        """Rewrite `body` for vLLM; returns the body to send (a new mapping only when extra_body applies).
+
+        `history_done`: the messages were built with `role` and `split_turn` (and carry no token
+        metadata), so the per-message rules are skipped.
+        """
         config = self.config
         messages: list[dict[str, Any]] = body["messages"]
         tools = body.get("tools")
         if tools:
             body["tools"] = [_without_strict(tool) for tool in tools]
-        if config.replace_developer_role_with_system:
-            body["messages"] = messages = [
-                {**m, "role": "system"} if m.get("role") == "developer" else m for m in messages
-            ]
         if config.model is not None:
             body["model"] = config.model
 
@@ -101,13 +104,8 @@ class Boundary:
             body["return_tokens_as_token_ids"] = True
             if config.request_prompt_and_generation_token_ids:
                 body["return_token_ids"] = True
-        if not all(TOKEN_KEYS.isdisjoint(m) for m in messages):
-            # A training client's token metadata on history turns: vLLM does not read it.
-            body["messages"] = messages = [{k: v for k, v in m.items() if k not in TOKEN_KEYS} for m in messages]
-        if self.split_history:
-            body["messages"] = [
-                self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)
-            ]
+        if not history_done:
+            body["messages"] = self._history(messages)
         if "top_logprobs" in body and body["top_logprobs"] is None:
             del body["top_logprobs"]  # vLLM reads a null top_logprobs as "no logprobs"
         if extra_body:
@@ -117,6 +115,39 @@ class Boundary:
         if config.return_token_id_information and body.get("n") not in (None, 1):
             raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
         return body
+
+    def _history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The per-message rules: developer role, token metadata, reasoning split."""
+        if self.developer_as_system:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        if not all(TOKEN_KEYS.isdisjoint(m) for m in messages):
+            # A training client's token metadata on history turns: vLLM does not read it.
+            messages = [{k: v for k, v in m.items() if k not in TOKEN_KEYS} for m in messages]
+        if self.split_history:
+            messages = [self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)]
+        return messages
+
+    def role(self, role: str) -> str:
+        """A message's role as vLLM gets it."""
+        return "system" if role == "developer" and self.developer_as_system else role
+
+    def split_turn(self, message: dict[str, Any], thoughts: list[str], said: list[str]) -> None:
+        """Split an assistant message `to_chat_body` builds, in place, as `prepare` would.
+
+        Its content is the turn's reasoning summaries (`thoughts`), each wrapped as
+        `<think>...</think>`, and its texts (`said`), in order. When the only `think>` in it are
+        the wrappers', the split is known without a scan: any other `<think>` or `</think>`, even
+        one formed where two texts meet, would add a `think>` (which cannot overlap itself).
+        """
+        content = message["content"]
+        if not content or not self.split_history:
+            return
+        if content.count("think>") == 2 * len(thoughts):
+            found, message["content"] = thoughts, "".join(said)
+        else:
+            found, message["content"] = split_think(content)
+        if found:
+            self._add_reasoning(message, found)
 
     def warn_dropped_template_kwargs(self, why: str) -> None:
         """Say once per process that requests' own chat_template_kwargs are dropped, and why."""
@@ -152,12 +183,16 @@ class Boundary:
                 "assistant content must be a string or a list of parts", param=f"messages[{index}].content"
             )
         message = {**message, "content": content}
-        if found and self.config.uses_interleaved_reasoning:
+        if found:
+            self._add_reasoning(message, found)
+        return message
+
+    def _add_reasoning(self, message: dict[str, Any], found: list[str]) -> None:
+        if self.reasoning_keys:
             # All blocks are kept (NeMo Gym sends only the first).
             reasoning = "\n".join(found)
             for key in self.reasoning_keys:
                 message[key] = reasoning
-        return message
 
 
 def _without_strict(tool: Any) -> Any:

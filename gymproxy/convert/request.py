@@ -27,6 +27,7 @@ from ..schemas.responses import (
     ResponsesRequest,
     ToolChoice,
 )
+from .boundary import Boundary
 
 TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
@@ -37,9 +38,11 @@ _NO_CHAT = (
 )
 
 
-def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
-    """Convert a Responses request into a Chat Completions body (before the vLLM boundary).
+def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dict[str, Any]:
+    """Convert a Responses request into a Chat Completions body.
 
+    With a `boundary`, history messages are built as its rules want them (pass the body on with
+    `boundary.prepare(body, history_done=True)`); without one, they are the plain conversion.
     Token metadata on input items (a training client echoing earlier turns) is validated but never
     sent: vLLM does not read it, and it would multiply the size of long rollouts.
     """
@@ -50,12 +53,13 @@ def to_chat_body(req: ResponsesRequest) -> dict[str, Any]:
             "request cannot be downconverted. Route it to a model server that passes Responses through.",
             param=refused[0],
         )
-    turns = _Turns()
+    turns = _Turns(boundary)
     if isinstance(req.input, str):
         turns.messages.append({"role": "user", "content": [{"type": "text", "text": req.input}]})
     else:
+        add = turns.add
         for index, item in enumerate(req.input):
-            turns.add(item, f"input[{index}]")
+            add(item, index)
     turns.flush()
     messages = turns.messages
     if req.instructions:
@@ -100,55 +104,86 @@ _PASSED = (
 
 
 class _Turns:
-    """Builds chat messages; consecutive assistant-side items merge into one assistant message."""
+    """Builds chat messages; consecutive assistant-side items merge into one assistant message.
 
-    def __init__(self) -> None:
+    Runs once per input item of every rollout turn, so the common path formats no strings: an
+    item's place (`input[3]`) is spelled out only in an error.
+    """
+
+    def __init__(self, boundary: Boundary | None) -> None:
+        self.boundary = boundary
         self.messages: list[dict[str, Any]] = []
         self.pending = False
-        self.text: list[str] = []
+        self.text: list[str] = []  # the assistant turn's content: reasoning as <think>summary</think>, text
+        self.thoughts: list[str] = []  # its reasoning summaries alone
+        self.said: list[str] = []  # its text alone
         self.refusal: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
 
-    def add(self, item: InputItem, where: str) -> None:
+    def add(self, item: InputItem, index: int) -> None:
         kind = item.type
-        if kind is None:
-            if item.role is None:
-                raise BadRequest(f"{where} needs a `type`, or a `role` for a message item", param=f"{where}.type")
-            kind = "message"
-        if kind == "message":
-            self._message(item, where)
+        if kind == "function_call":
+            if item.call_id is None or item.name is None or item.arguments is None or item.namespace is not None:
+                _refuse_function_call(item, index)
+            self.pending = True
+            self.tool_calls.append(
+                {"id": item.call_id, "function": {"arguments": item.arguments, "name": item.name}, "type": "function"}
+            )
+        elif kind == "function_call_output":
+            if self.pending:
+                self.flush()
+            output: Any = item.output
+            if item.call_id is None or not isinstance(output, str):
+                output = _tool_content(item, index)
+            self.messages.append({"content": output, "role": "tool", "tool_call_id": item.call_id})
         elif kind == "reasoning":
             self.pending = True
-            self.text.extend(f"<think>{part.text}</think>" for part in item.summary if part.text)
-        elif kind == "function_call":
-            self._function_call(item, where)
-        elif kind == "function_call_output":
-            self._function_call_output(item, where)
+            for part in item.summary:
+                if part.text:
+                    self.text.append(f"<think>{part.text}</think>")
+                    self.thoughts.append(part.text)
+        elif kind == "message" or (kind is None and item.role is not None):
+            self._message(item, index)
+        elif kind is None:
+            raise BadRequest(f"{_at(index)} needs a `type`, or a `role` for a message item", param=f"{_at(index)}.type")
         else:
-            raise BadRequest(_NO_CHAT.format(kind), param=f"{where}.type")
-        _check_tokens(item, where)
+            raise BadRequest(_NO_CHAT.format(kind), param=f"{_at(index)}.type")
+        if (
+            item.prompt_token_ids is not None
+            or item.generation_token_ids is not None
+            or item.generation_log_probs is not None
+            or item.routed_experts is not None
+        ):
+            _check_tokens(item, _at(index))
 
     def flush(self) -> None:
-        if self.pending or self.text or self.refusal or self.tool_calls:
+        if self.pending:  # set by every assistant-side item
             message: dict[str, Any] = {"content": "".join(self.text) or None, "role": "assistant"}
             if self.tool_calls:
                 message["tool_calls"] = self.tool_calls
             if self.refusal:
                 message["refusal"] = "".join(self.refusal)
+            if self.boundary is not None:
+                self.boundary.split_turn(message, self.thoughts, self.said)
             self.messages.append(message)
             self.pending = False
             self.text = []
+            self.thoughts = []
+            self.said = []
             self.refusal = []
             self.tool_calls = []
 
-    def _message(self, item: InputItem, where: str) -> None:
-        if item.role is None:
-            raise BadRequest(f"{where}: a message item needs a `role`", param=f"{where}.role")
+    def _message(self, item: InputItem, index: int) -> None:
+        role = item.role
+        if role is None:
+            raise BadRequest(f"{_at(index)}: a message item needs a `role`", param=f"{_at(index)}.role")
         if item.phase is not None:
-            raise BadRequest("Responses message phase has no Chat Completions representation.", param=f"{where}.phase")
-        if item.role == "assistant":
+            raise BadRequest(
+                "Responses message phase has no Chat Completions representation.", param=f"{_at(index)}.phase"
+            )
+        if role == "assistant":
             self.pending = True
-            self._assistant_content(item, where)
+            self._assistant_content(item, index)
             for call in item.tool_calls or ():
                 self.tool_calls.append(
                     {
@@ -159,71 +194,67 @@ class _Turns:
                 )
             return
         self.flush()
-        if item.content is None:
-            raise BadRequest(f"{where}: a {item.role} message needs `content`", param=f"{where}.content")
         content: Any = item.content
+        if content is None:
+            raise BadRequest(f"{_at(index)}: a {role} message needs `content`", param=f"{_at(index)}.content")
         if not isinstance(content, str):
-            content = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
-        self.messages.append({"role": item.role, "content": content})
+            content = [_part(part, index, i) for i, part in enumerate(content)]
+        if self.boundary is not None:
+            role = self.boundary.role(role)
+        self.messages.append({"role": role, "content": content})
 
-    def _assistant_content(self, item: InputItem, where: str) -> None:
+    def _assistant_content(self, item: InputItem, index: int) -> None:
         if isinstance(item.content, str):
             self.text.append(item.content)
+            self.said.append(item.content)
             return
         for i, part in enumerate(item.content or ()):
-            if part.text is None and part.refusal is None:
-                raise BadRequest(
-                    f"Unsupported assistant content part of type '{part.type}': it has neither `text` nor `refusal`.",
-                    param=f"{where}.content[{i}]",
-                )
             if part.text is not None:
                 self.text.append(part.text)
+                self.said.append(part.text)
+            elif part.refusal is None:
+                raise BadRequest(
+                    f"Unsupported assistant content part of type '{part.type}': it has neither `text` nor `refusal`.",
+                    param=f"{_at(index)}.content[{i}]",
+                )
             if part.refusal is not None:
                 self.refusal.append(part.refusal)
 
-    def _function_call(self, item: InputItem, where: str) -> None:
-        if item.namespace is not None:
-            raise BadRequest(
-                "Responses function call namespace has no Chat Completions representation.",
-                param=f"{where}.namespace",
-            )
-        for name in ("call_id", "name", "arguments"):
-            if getattr(item, name) is None:
-                raise BadRequest(f"{where}: a function_call item needs `{name}`", param=f"{where}.{name}")
-        self.pending = True
-        self.tool_calls.append(
-            {"id": item.call_id, "function": {"arguments": item.arguments, "name": item.name}, "type": "function"}
-        )
 
-    def _function_call_output(self, item: InputItem, where: str) -> None:
-        if item.call_id is None:
-            raise BadRequest(f"{where}: a function_call_output item needs `call_id`", param=f"{where}.call_id")
-        if item.output is None:
-            raise BadRequest(f"{where}: a function_call_output item needs `output`", param=f"{where}.output")
-        self.flush()
-        content: Any = item.output
-        if not isinstance(content, str):
-            bad = sorted({part.type for part in content if part.type != "input_text"})
-            if bad:
-                raise BadRequest(
-                    f"Cannot convert Responses function_call_output for call '{item.call_id}' to a Chat "
-                    "Completions tool message: Chat tool messages cannot represent content part type(s) "
-                    + ", ".join(f"'{t}'" for t in bad),
-                    param=f"{where}.output",
-                )
-            content = [{"type": "text", "text": part.text or ""} for part in content]
-        self.messages.append({"content": content, "role": "tool", "tool_call_id": item.call_id})
+def _refuse_function_call(item: InputItem, index: int) -> None:
+    if item.namespace is not None:
+        raise BadRequest(
+            "Responses function call namespace has no Chat Completions representation.",
+            param=f"{_at(index)}.namespace",
+        )
+    name = next(name for name in ("call_id", "name", "arguments") if getattr(item, name) is None)
+    raise BadRequest(f"{_at(index)}: a function_call item needs `{name}`", param=f"{_at(index)}.{name}")
+
+
+def _tool_content(item: InputItem, index: int) -> list[dict[str, Any]]:
+    """A function_call_output's content parts as chat text parts, or the 400 for what is missing or wrong."""
+    if item.call_id is None:
+        raise BadRequest(f"{_at(index)}: a function_call_output item needs `call_id`", param=f"{_at(index)}.call_id")
+    if item.output is None:
+        raise BadRequest(f"{_at(index)}: a function_call_output item needs `output`", param=f"{_at(index)}.output")
+    assert not isinstance(item.output, str)
+    bad = sorted({part.type for part in item.output if part.type != "input_text"})
+    if bad:
+        raise BadRequest(
+            f"Cannot convert Responses function_call_output for call '{item.call_id}' to a Chat "
+            "Completions tool message: Chat tool messages cannot represent content part type(s) "
+            + ", ".join(f"'{t}'" for t in bad),
+            param=f"{_at(index)}.output",
+        )
+    return [{"type": "text", "text": part.text or ""} for part in item.output]
+
+
+def _at(index: int) -> str:
+    return f"input[{index}]"
 
 
 def _check_tokens(item: InputItem, where: str) -> None:
     """Token metadata is all-or-nothing: any field present requires the three lists."""
-    if (
-        item.prompt_token_ids is None
-        and item.generation_token_ids is None
-        and item.generation_log_probs is None
-        and item.routed_experts is None
-    ):
-        return
     missing = [name for name in TOKEN_FIELDS if getattr(item, name) is None]
     if missing:
         raise BadRequest(
@@ -236,11 +267,12 @@ def _url(value: str | ImageURL | None) -> str | None:
     return value.url if isinstance(value, ImageURL) else value
 
 
-def _part(part: ContentPart, where: str) -> dict[str, Any]:
-    if part.type == "input_text":
-        if part.text is None:
-            raise BadRequest(f"{where}: an input_text part needs `text`", param=f"{where}.text")
+def _part(part: ContentPart, index: int, i: int) -> dict[str, Any]:
+    if part.type == "input_text" and part.text is not None:
         return {"type": "text", "text": part.text}
+    where = f"{_at(index)}.content[{i}]"
+    if part.type == "input_text":
+        raise BadRequest(f"{where}: an input_text part needs `text`", param=f"{where}.text")
     if part.type == "input_image":
         url = _url(part.image_url)
         if url is None:
