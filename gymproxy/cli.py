@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -60,6 +61,7 @@ def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fa
     if config.access.admin_port is not None:
         app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
     _raise_open_files(config.limits.open_files)
+    _tune_gc()
     log.info("gymproxy %s listening on http://%s:%d (pid %d)", __version__, config.host, config.port, os.getpid())
     web.run_app(
         app,
@@ -72,6 +74,26 @@ def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fa
         print=None,
         loop=_new_loop(),
     )
+
+
+# A young-generation collection runs once this many more container objects were made than freed.
+GC_THRESHOLD = 20_000
+
+
+def _tune_gc() -> None:
+    """Make the cycle collector run when cyclic garbage builds up, not every other request.
+
+    A 30-item rollout request allocates hundreds of containers that reference counting frees.
+    With Python's default threshold (700) the in-flight ones alone set off a young collection
+    every few requests, and now and then a full one over every module object: 25-30 µs of CPU
+    per request (timed with `gc.callbacks`). Startup objects are frozen (never garbage), and the
+    threshold is raised well above what the requests in flight hold at a time, so collections
+    run when garbage cycles pile up. Only `gymproxy serve` does this: an application that mounts
+    gymproxy keeps its own settings.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Any:

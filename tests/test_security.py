@@ -147,6 +147,21 @@ def test_open_file_limit_is_raised():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_serve_freezes_startup_objects_and_collects_cycles_rarely():
+    import gc
+
+    from gymproxy.cli import GC_THRESHOLD, _tune_gc
+
+    before = gc.get_threshold()
+    try:
+        _tune_gc()
+        assert gc.get_threshold() == (GC_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 1000  # the modules gymproxy imported
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
 # --- the CLI: admin port and graceful shutdown --------------------------------------------------
 
 
