@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -61,12 +61,12 @@ class _Payloads:
         self._adapt = adapt
         self.done = False
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        for payload in self._decoder.feed(data):
-            if payload == DONE:
-                self.done = True
-            else:
-                yield payload if self._adapt is None else self._adapt(payload)
+    def feed(self, data: bytes) -> Iterable[bytes]:
+        payloads = self._decoder.feed(data)
+        if DONE in payloads:
+            self.done = True
+            payloads = [payload for payload in payloads if payload != DONE]
+        return payloads if self._adapt is None else map(self._adapt, payloads)
 
 
 class ClientGone(Exception):

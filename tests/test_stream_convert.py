@@ -956,10 +956,10 @@ def test_delta_frames_are_the_structs_bytes(kind: str, item_id: str, delta: str)
     """The pre-encoded delta frames are byte for byte what encoding their event Structs gives."""
     from gymproxy.schemas.events import (
         ArgumentsDelta,
+        DeltaFrames,
         RefusalDelta,
         SummaryDelta,
         TextDelta,
-        encode_delta,
         encode_event,
     )
 
@@ -970,4 +970,4 @@ def test_delta_frames_are_the_structs_bytes(kind: str, item_id: str, delta: str)
             "summary": SummaryDelta("response.reasoning_summary_text.delta", seq, item_id, output_index, index, delta),
             "arguments": ArgumentsDelta("response.function_call_arguments.delta", seq, item_id, output_index, delta),
         }[kind]
-        assert encode_delta(event.type, seq, item_id, output_index, index, delta) == encode_event(event)
+        assert DeltaFrames(event.type, item_id, output_index, index).frame(seq, delta) == encode_event(event)

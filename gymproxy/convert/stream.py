@@ -21,6 +21,7 @@ from ..schemas.chat import AssistantMessage, ChatChunk, ChatCompletion, Choice, 
 from ..schemas.events import (
     ArgumentsDone,
     ContentPartEvent,
+    DeltaFrames,
     Event,
     ItemEvent,
     RefusalDone,
@@ -28,7 +29,6 @@ from ..schemas.events import (
     SummaryDone,
     SummaryPartEvent,
     TextDone,
-    encode_delta,
     encode_event,
 )
 from ..schemas.responses import (
@@ -63,9 +63,13 @@ class ThinkSplitter:
         self.inside = False
         self._held = ""
 
+    def clear(self, text: str) -> bool:
+        """`text` is all inside or all outside `<think>`: no tag, nor the start of one, nothing held."""
+        return not self._held and "<" not in text
+
     def feed(self, text: str) -> list[tuple[str, str]]:
         """Pieces of ("text" | "think" | "think_start" | "think_end", text)."""
-        if not self._held and "<" not in text:  # no tag, nor the start of one: most tokens
+        if self.clear(text):
             return [("think" if self.inside else "text", text)] if text else []
         text = self._held + text
         self._held = ""
@@ -102,13 +106,14 @@ def _partial_tag(text: str, tag: str) -> int:
 
 
 class _Call:
-    __slots__ = ("id", "name", "arguments", "output_index")
+    __slots__ = ("id", "name", "arguments", "output_index", "frames")
 
     def __init__(self, call_id: str, name: str, output_index: int) -> None:
         self.id = call_id
         self.name = name
         self.arguments: list[str] = []
         self.output_index = output_index
+        self.frames = DeltaFrames("response.function_call_arguments.delta", call_id, output_index, 0)
 
 
 class ResponsesStream:
@@ -146,6 +151,10 @@ class ResponsesStream:
         self.refusal_part = -1
         self.refusal_text: list[str] = []
         self.open_call: _Call | None = None
+        # The delta frames of the open summary, text and refusal parts (made as each part opens).
+        self.summary_frames: DeltaFrames
+        self.text_frames: DeltaFrames
+        self.refusal_frames: DeltaFrames
         self.reasoning_id_first: str | None = None
         self.message_id_first: str | None = None
         # Training mode: what the chunks carried about tokens (spec 9.3, assembled as one reply).
@@ -189,12 +198,19 @@ class ResponsesStream:
                 else:
                     self.reasoning.append(reasoning)
                     self._think(reasoning, new_block=not self.reasoning_id or self.kind != "reasoning")
-            if delta.content:
-                self.content.append(delta.content)
-                if self.splitter is None:
-                    self._text(delta.content)
+            content = delta.content
+            if content:
+                self.content.append(content)
+                splitter = self.splitter
+                if splitter is None:
+                    self._text(content)
+                elif splitter.clear(content):  # most tokens: no tag, nor part of one
+                    if splitter.inside:
+                        self._think(content, new_block=False)
+                    else:
+                        self._text(content)
                 else:
-                    self._split(self.splitter.feed(delta.content))
+                    self._split(splitter.feed(content))
             if delta.refusal:
                 self.refusal.append(delta.refusal)
                 self._refusal(delta.refusal)
@@ -300,6 +316,9 @@ class ResponsesStream:
             self._end_summary()
             self.summary_index += 1
             self.summary = []
+            self.summary_frames = DeltaFrames(
+                "response.reasoning_summary_text.delta", self.reasoning_id, self.reasoning_index, self.summary_index
+            )
             self._emit(
                 SummaryPartEvent(
                     "response.reasoning_summary_part.added",
@@ -312,14 +331,7 @@ class ResponsesStream:
             )
         if text:
             self.summary.append(text)
-            assert self.reasoning_id is not None
-            self._delta(
-                "response.reasoning_summary_text.delta",
-                self.reasoning_id,
-                self.reasoning_index,
-                self.summary_index,
-                text,
-            )
+            self._delta(self.summary_frames, text)
 
     def _end_summary(self) -> None:
         if self.summary_index < 0:
@@ -354,6 +366,9 @@ class ResponsesStream:
         assert self.message_id is not None
         if self.text_part < 0:
             self.text_part = 1 if self.refusal_part >= 0 else 0
+            self.text_frames = DeltaFrames(
+                "response.output_text.delta", self.message_id, self.message_index, self.text_part
+            )
             part = OutputText(text="")
             self._emit(
                 ContentPartEvent(
@@ -361,7 +376,7 @@ class ResponsesStream:
                 )
             )
         self.text.append(text)
-        self._delta("response.output_text.delta", self.message_id, self.message_index, self.text_part, text)
+        self._delta(self.text_frames, text)
 
     def _refusal(self, text: str) -> None:
         if self.kind != "message":
@@ -369,6 +384,9 @@ class ResponsesStream:
         assert self.message_id is not None
         if self.refusal_part < 0:
             self.refusal_part = 1 if self.text_part >= 0 else 0
+            self.refusal_frames = DeltaFrames(
+                "response.refusal.delta", self.message_id, self.message_index, self.refusal_part
+            )
             part = Refusal(refusal="")
             self._emit(
                 ContentPartEvent(
@@ -376,7 +394,7 @@ class ResponsesStream:
                 )
             )
         self.refusal_text.append(text)
-        self._delta("response.refusal.delta", self.message_id, self.message_index, self.refusal_part, text)
+        self._delta(self.refusal_frames, text)
 
     def _tool_call(self, fragment: dict[str, Any]) -> None:
         index = fragment.get("index", 0)
@@ -395,7 +413,7 @@ class ResponsesStream:
         arguments = function.get("arguments")
         if arguments:
             call.arguments.append(arguments)
-            self._delta("response.function_call_arguments.delta", call.id, call.output_index, 0, arguments)
+            self._delta(call.frames, arguments)
 
     def _close(self) -> None:
         """Emit the `.done` events of the open item."""
@@ -458,8 +476,8 @@ class ResponsesStream:
         self.seq += 1
         self.frames.append(encode_event(event))
 
-    def _delta(self, kind: str, item_id: str, output_index: int, index: int, delta: str) -> None:
-        self.frames.append(encode_delta(kind, self.seq, item_id, output_index, index, delta))
+    def _delta(self, part: DeltaFrames, delta: str) -> None:
+        self.frames.append(part.frame(self.seq, delta))
         self.seq += 1
 
     def _take(self) -> bytes:

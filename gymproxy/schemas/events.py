@@ -140,19 +140,28 @@ _DELTA_FRAMES = {
 }
 
 
-def encode_delta(kind: str, sequence_number: int, item_id: str, output_index: int, index: int, delta: str) -> bytes:
-    """The frame `encode_event` makes of a delta event's Struct, byte for byte, without building one."""
-    head, index_field, end = _DELTA_FRAMES[kind]
-    return b"".join(
-        (
-            head,
-            b'%d,"item_id":' % sequence_number,
-            ENCODER.encode(item_id),
-            b',"output_index":%d' % output_index,
-            index_field % index if index_field else b"",
-            b',"delta":',
-            ENCODER.encode(delta),
-            end,
-            b"\n\n",
+class DeltaFrames:
+    """The frames of one part's delta events, sent once per streamed token.
+
+    Everything but the sequence number and the delta is fixed for a part, so it is encoded once;
+    each frame is byte for byte what `encode_event` makes of the event's Struct.
+    """
+
+    __slots__ = ("_head", "_middle", "_end")
+
+    def __init__(self, kind: str, item_id: str, output_index: int, index: int) -> None:
+        head, index_field, end = _DELTA_FRAMES[kind]
+        self._head = head
+        self._middle = b"".join(
+            (
+                b',"item_id":',
+                ENCODER.encode(item_id),
+                b',"output_index":%d' % output_index,
+                index_field % index if index_field else b"",
+                b',"delta":',
+            )
         )
-    )
+        self._end = end + b"\n\n"
+
+    def frame(self, sequence_number: int, delta: str) -> bytes:
+        return b"".join((self._head, b"%d" % sequence_number, self._middle, ENCODER.encode(delta), self._end))
