@@ -28,7 +28,9 @@ async def backend(start_proxy):
 async def test_responses_raw_prompt_and_reply(backend, fake_vllm):
     _, client = backend
     fake_vllm.push(Script(content="Paris."))
-    response = await client.responses.create(model="m", input="Capital of France?", instructions="Answer briefly.", max_output_tokens=20)
+    response = await client.responses.create(
+        model="m", input="Capital of France?", instructions="Answer briefly.", max_output_tokens=20
+    )
     assert response.output_text == "Paris." and response.model == "base"
     sent = completions(fake_vllm)[-1].json
     assert sent["prompt"] == "Answer briefly.\n\nCapital of France?"
@@ -39,7 +41,9 @@ async def test_responses_raw_prompt_and_reply(backend, fake_vllm):
 async def test_chat_through_completions(backend, fake_vllm):
     _, client = backend
     fake_vllm.push(Script(content="four"))
-    completion = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2?"}], temperature=0.3)
+    completion = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "2+2?"}], temperature=0.3
+    )
     assert completion.choices[0].message.content == "four"
     assert completion.object == "chat.completion"
     assert completions(fake_vllm)[-1].json["temperature"] == 0.3
@@ -62,9 +66,21 @@ async def test_streams_through_completions(backend, fake_vllm):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]}, "messages"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ]
+            },
+            "messages",
+        ),
         ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]}, "messages[0].content[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]},
+            "messages[0].content[0]",
+        ),
     ],
 )
 async def test_raw_mode_refusals_name_the_problem(backend, fake_vllm, body, param):
@@ -118,7 +134,10 @@ async def test_training_token_ids_when_streaming_through_completions(start_proxy
 async def test_chat_template_mode(start_proxy, fake_vllm, tmp_path):
     path = save_tokenizer(tmp_path / "tok", TEMPLATE)
     url = await start_proxy(
-        use_completions_api=True, render_chat_template=True, tokenizer=path, chat_template_kwargs={"enable_thinking": True}
+        use_completions_api=True,
+        render_chat_template=True,
+        tokenizer=path,
+        chat_template_kwargs={"enable_thinking": True},
     )
     fake_vllm.push(Script(content="sunny"))
     history = [
@@ -139,6 +158,9 @@ def test_chat_template_mode_fails_at_startup_without_a_template(tmp_path):
     from gymproxy import ConfigError, build_config, create_app
 
     path = save_tokenizer(tmp_path / "bare", None)
-    config = build_config({"base_url": "http://x/v1", "use_completions_api": True, "render_chat_template": True, "tokenizer": path}, environ={})
+    config = build_config(
+        {"base_url": "http://x/v1", "use_completions_api": True, "render_chat_template": True, "tokenizer": path},
+        environ={},
+    )
     with pytest.raises(ConfigError, match="chat template"):
         create_app(config)

@@ -64,7 +64,9 @@ def test_placeholders_come_from_set_then_environment(tmp_path: Path) -> None:
 
 def test_unresolved_placeholder_names_it(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\$\{policy_api_key\}"):
-        load_config(write(tmp_path, NEMO), overrides={"policy_base_url": "http://x/v1", "policy_model_name": "m"}, environ={})
+        load_config(
+            write(tmp_path, NEMO), overrides={"policy_base_url": "http://x/v1", "policy_model_name": "m"}, environ={}
+        )
 
 
 def test_list_of_base_urls_from_a_placeholder(tmp_path: Path) -> None:
@@ -88,12 +90,17 @@ def test_several_servers_need_a_choice(tmp_path: Path) -> None:
 
 
 def test_set_overrides_a_key_and_converts_its_type(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, NEMO), overrides={**VALUES, "uses_reasoning_parser": "false", "port": "9001"}, environ={})
+    config = load_config(
+        write(tmp_path, NEMO), overrides={**VALUES, "uses_reasoning_parser": "false", "port": "9001"}, environ={}
+    )
     assert config.uses_reasoning_parser is False and config.port == 9001
 
 
 def test_reasoning_field_from_environment() -> None:
-    assert build_config({"base_url": "http://x/v1"}, environ={"NEMO_GYM_REASONING_FIELD": " reasoning "}).reasoning_field == "reasoning"
+    assert (
+        build_config({"base_url": "http://x/v1"}, environ={"NEMO_GYM_REASONING_FIELD": " reasoning "}).reasoning_field
+        == "reasoning"
+    )
     with pytest.raises(ConfigError, match="NEMO_GYM_REASONING_FIELD"):
         build_config({"base_url": "http://x/v1"}, environ={"NEMO_GYM_REASONING_FIELD": "nope"})
     with pytest.raises(ConfigError, match="reasoning_field"):
@@ -118,7 +125,14 @@ def test_invalid_values(section: dict, needle: str) -> None:
 
 def test_cli_check_config(tmp_path: Path) -> None:
     good = subprocess.run(
-        [sys.executable, "-m", "gymproxy", "check-config", str(CONF / "vllm_model.yaml"), *[f"--set={k}={v}" for k, v in VALUES.items()]],
+        [
+            sys.executable,
+            "-m",
+            "gymproxy",
+            "check-config",
+            str(CONF / "vllm_model.yaml"),
+            *[f"--set={k}={v}" for k, v in VALUES.items()],
+        ],
         capture_output=True,
         text=True,
     )

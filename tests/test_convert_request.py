@@ -784,5 +784,3 @@ def test_token_fields_are_accepted_but_never_sent_upstream(extra):
         {"content": "o", "role": "tool", "tool_call_id": "call_1"},
         {"content": "a", "role": "assistant"},
     ]
-
-

@@ -64,7 +64,11 @@ def test_systemd_unit() -> None:
 
 
 def test_dockerfile() -> None:
-    lines = [line.strip() for line in (DEPLOY / "Dockerfile").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert lines[0].startswith("FROM python:3.")
     for line in lines:
         if line.startswith("COPY "):

@@ -45,7 +45,9 @@ def generations(fake: FakeVLLM) -> int:
 async def ask(session: aiohttp.ClientSession, url: str, cookie: str | None = None, **headers) -> aiohttp.ClientResponse:
     if cookie is not None:
         headers["Cookie"] = f"{COOKIE}={cookie}"
-    async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, headers=headers) as r:
+    async with session.post(
+        url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, headers=headers
+    ) as r:
         await r.read()
         return r
 
@@ -97,7 +99,9 @@ async def test_cookie_set_on_errors_of_a_new_session(aiohttp_server, fleet):
     fakes, _ = fleet
     url = await start(aiohttp_server, [f.url for f in fakes])
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
-        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[error:500]]"}]}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[error:500]]"}]}
+        ) as r:
             assert r.status == 500
             assert pin_of(r) is not None
 
@@ -114,9 +118,7 @@ async def test_session_header_and_user_field_map_consistently(aiohttp_server, fl
             assert sorted(moved) == [0, 0, 3]
         before = [generations(f) for f in fakes]
         for _ in range(3):
-            async with session.post(
-                url + "/v1/responses", json={"model": "m", "input": "x", "user": "agent-7"}
-            ) as r:
+            async with session.post(url + "/v1/responses", json={"model": "m", "input": "x", "user": "agent-7"}) as r:
                 assert r.status == 200
         moved = [generations(f) - b for f, b in zip(fakes, before)]
         assert sorted(moved) == [0, 0, 3]
@@ -182,10 +184,14 @@ async def test_all_upstreams_down_is_503_naming_them(aiohttp_server, fleet):
     for server in servers[:2]:
         await server.close()
     async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        ) as r:
             body = await r.json()
             assert r.status in (502, 503)
-        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        ) as r:
             body = await r.json()
             assert r.status == 503
             assert fakes[0].url in body["error"]["message"] and fakes[1].url in body["error"]["message"]
@@ -247,7 +253,9 @@ async def test_metrics_are_present_and_move(aiohttp_server, fleet):
         pin = pin_of(await ask(session, url))
         await ask(session, url, pin)
         await ask(session, url, "forged")
-        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[overflow]]"}]}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "[[overflow]]"}]}
+        ) as r:
             await r.read()
         async with session.post(url + "/v1/responses", json={"model": "m", "input": "x", "stream": True}) as r:
             await r.read()

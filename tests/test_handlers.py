@@ -69,7 +69,9 @@ async def test_responses_reasoning_and_tool_call(client, fake_vllm):
     call = response.output[2]
     assert (call.name, call.arguments, call.call_id, call.id) == ("get_weather", '{"city":"Paris"}', "call_1", "call_1")
     sent = fake_vllm.last_json()
-    assert sent["tools"] == [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert sent["tools"] == [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ]
     assert response.tools[0].strict is True  # echoed as sent, stripped only upstream
 
 
@@ -243,7 +245,9 @@ async def test_chat_reasoning_content_of_old_vllm_is_read(client, fake_vllm):
 async def test_chat_without_parser_rejects_reasoning_replies(start_proxy, fake_vllm):
     url = await start_proxy(uses_reasoning_parser=False)
     fake_vllm.push(Script(content="42", reasoning="hidden"))
-    status, body = await post(url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    status, body = await post(
+        url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert status == 502
     assert "uses_reasoning_parser" in body["error"]["message"]
 
@@ -252,7 +256,9 @@ async def test_chat_reply_bytes_pass_through_untouched(start_proxy, fake_vllm):
     url = await start_proxy(uses_reasoning_parser=False)
     fake_vllm.push(Script(content="plain", top_extra={"custom_field": {"nested": [1, 2]}}))
     async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}) as r:
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        ) as r:
             body = await r.read()
     assert b'"custom_field":{"nested":[1,2]}' in body
     assert b'"prompt_token_ids":null' in body
@@ -277,7 +283,12 @@ async def test_chat_history_reasoning_split_and_strict_stripped(client, fake_vll
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}],
     )
     sent = fake_vllm.last_json()
-    assert sent["messages"][2] == {"role": "assistant", "content": "xy", "reasoning_content": "a\nb", "reasoning": "a\nb"}
+    assert sent["messages"][2] == {
+        "role": "assistant",
+        "content": "xy",
+        "reasoning_content": "a\nb",
+        "reasoning": "a\nb",
+    }
     assert sent["messages"][0]["role"] == "developer"
     assert sent["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 
@@ -288,7 +299,10 @@ async def test_chat_invalid_requests(proxy_url):
         ({"model": "m", "messages": "hi"}, "messages"),
         ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [], "stream": "true"}, "stream"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": {"extra_body": "{oops"}}, "metadata.extra_body"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": {"extra_body": "{oops"}},
+            "metadata.extra_body",
+        ),
     ]
     for body, param in cases:
         status, reply = await post(proxy_url, "/v1/chat/completions", body)
@@ -306,7 +320,13 @@ async def test_sequential_reasoning_guard_answers_locally(start_proxy, fake_vllm
     status, response = await post(
         url,
         "/v1/responses",
-        {"model": "m", "input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}]},
+        {
+            "model": "m",
+            "input": [
+                {"role": "user", "content": "q"},
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+            ],
+        },
     )
     assert response["status"] == "incomplete"
     assert response["incomplete_details"] == {"reason": "content_filter"}
@@ -366,7 +386,9 @@ async def test_models_health_tokenize_and_completions(client, proxy_url, fake_vl
 
 
 async def test_upstream_gets_api_key_headers_and_query(start_proxy, fake_vllm):
-    url = await start_proxy(api_key="sk-upstream", default_headers={"X-Team": "rl"}, default_query={"api-version": "2025-04-01"})
+    url = await start_proxy(
+        api_key="sk-upstream", default_headers={"X-Team": "rl"}, default_query={"api-version": "2025-04-01"}
+    )
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="client-key", max_retries=0) as c:
         await c.responses.create(model="m", input="x")
     seen = fake_vllm.requests[-1]

@@ -598,9 +598,7 @@ DEEP_CASES = [
         id="responses-tool-parameters",
     ),
     pytest.param(RESPONSES, _inside(VALID_RESPONSES, ("input", 1, "content"), DEEP_ARRAY), id="responses-content"),
-    pytest.param(
-        RESPONSES, _inside(VALID_RESPONSES, ("moderation",), DEEP_ARRAY), id="responses-moderation"
-    ),
+    pytest.param(RESPONSES, _inside(VALID_RESPONSES, ("moderation",), DEEP_ARRAY), id="responses-moderation"),
     pytest.param(
         RESPONSES,
         _inside(VALID_RESPONSES, ("input", 0, "phase"), DEEP_OBJECT),
@@ -831,8 +829,6 @@ def test_crlf_injection_never_reaches_the_upstream(stack):
         check(*exchange(stack, data), path)
     for seen in stack.upstream.requests[before:]:
         assert "X-Injected" not in seen.headers and "X-Session-Id" not in seen.headers, seen.headers
-
-
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,11 @@ def upstream_request_id(fake) -> str:
 
 async def call(url: str, path: str = "/v1/chat/completions", body: dict | None = CHAT, **headers: str):
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
-        method = session.post(url + path, json=body, headers=headers) if body is not None else session.get(url + path, headers=headers)
+        method = (
+            session.post(url + path, json=body, headers=headers)
+            if body is not None
+            else session.get(url + path, headers=headers)
+        )
         async with method as r:
             return r.status, r.headers, await r.read()
 
@@ -39,7 +43,12 @@ async def test_inbound_api_keys(start_proxy, fake_vllm, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nkey-from-file\n\n")
     url = await start_proxy(access={"api_keys": ["key-one"], "api_keys_file": str(keys)})
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic key-one"}, {"Authorization": "Bearer"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": "Basic key-one"},
+        {"Authorization": "Bearer"},
+    ):
         status, _, body = await call(url, **headers)
         assert status == 401, headers
         error = orjson.loads(body)["error"]
@@ -89,7 +98,16 @@ async def test_client_headers_are_not_forwarded(start_proxy, fake_vllm):
     status, _, _ = await call(url, **hostile)
     assert status == 200
     sent = {k.lower() for k in last_generation(fake_vllm).headers}
-    assert sent <= {"host", "authorization", "content-type", "content-length", "x-request-id", "accept", "accept-encoding", "user-agent"}
+    assert sent <= {
+        "host",
+        "authorization",
+        "content-type",
+        "content-length",
+        "x-request-id",
+        "accept",
+        "accept-encoding",
+        "user-agent",
+    }
     assert last_generation(fake_vllm).headers["Authorization"] == "Bearer upstream"
 
 
@@ -103,7 +121,9 @@ async def test_request_id_is_passed_both_ways_or_minted(proxy_url, fake_vllm):
         minted = headers["X-Request-Id"]
         assert minted != given and len(minted) == 32
         assert upstream_request_id(fake_vllm) == minted
-    _, headers, _ = await call(proxy_url, "/v1/responses", {"model": "m", "input": "x", "stream": True}, **{"X-Request-Id": "s-1"})
+    _, headers, _ = await call(
+        proxy_url, "/v1/responses", {"model": "m", "input": "x", "stream": True}, **{"X-Request-Id": "s-1"}
+    )
     assert headers["X-Request-Id"] == "s-1"
     status, headers, _ = await call(proxy_url, "/v1/responses", {"bad": 1}, **{"X-Request-Id": "e-1"})
     assert status == 400 and headers["X-Request-Id"] == "e-1"
@@ -187,9 +207,13 @@ async def _wait_up(url: str) -> None:
 async def test_admin_port_and_graceful_shutdown(fake_vllm, tmp_path):
     port, admin = _free_port(), _free_port()
     config = tmp_path / "c.yaml"
-    config.write_text(f"base_url: {fake_vllm.url}\nport: {port}\naccess:\n  admin_port: {admin}\nshutdown_grace_s: 10\n")
+    config.write_text(
+        f"base_url: {fake_vllm.url}\nport: {port}\naccess:\n  admin_port: {admin}\nshutdown_grace_s: 10\n"
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "gymproxy", "serve", "--config", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [sys.executable, "-m", "gymproxy", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         await _wait_up(f"http://127.0.0.1:{admin}/health")

@@ -19,7 +19,9 @@ TOOLS = [{"type": "function", "name": "calc", "parameters": {"type": "object"}}]
 
 def _strip_ids(response: dict) -> dict:
     response = {k: v for k, v in response.items() if k not in ("id", "created_at")}
-    response["output"] = [{k: v for k, v in item.items() if k != "id" or item["type"] == "function_call"} for item in response["output"]]
+    response["output"] = [
+        {k: v for k, v in item.items() if k != "id" or item["type"] == "function_call"} for item in response["output"]
+    ]
     return response
 
 
@@ -36,11 +38,17 @@ def _body(path: str) -> dict:
 
 
 def _events(raw: bytes) -> list[dict]:
-    return [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    return [
+        orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"
+    ]
 
 
 async def test_responses_stream_events_and_final_equal_non_streaming(client, fake_vllm):
-    script = Script(content="The answer is 4.", reasoning="two plus two", tool_calls=[{"name": "calc", "arguments": '{"x": 1}', "id": "call_9"}])
+    script = Script(
+        content="The answer is 4.",
+        reasoning="two plus two",
+        tool_calls=[{"name": "calc", "arguments": '{"x": 1}', "id": "call_9"}],
+    )
     fake_vllm.push(script, script)
     plain = await client.responses.create(model="m", input="2+2?", tools=TOOLS)
     stream = await client.responses.create(model="m", input="2+2?", tools=TOOLS, stream=True)
@@ -122,7 +130,12 @@ async def test_first_event_arrives_before_the_upstream_finishes(client, fake_vll
 async def test_chat_stream_relays_chunks_with_vllm_fields(start_proxy, fake_vllm):
     url = await start_proxy(uses_reasoning_parser=False)
     fake_vllm.push(Script(content="alpha beta gamma"))
-    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": "x"}],
+        "stream_options": {"include_usage": True},
+    }
     response, raw = await _raw_stream(url, "/v1/chat/completions", body)
     assert response.headers["Content-Type"] == "text/event-stream"
     assert response.headers["Cache-Control"] == "no-cache"
@@ -146,7 +159,10 @@ async def test_chat_stream_folds_reasoning_into_think(client, fake_vllm):
 async def test_chat_stream_openai_client_tool_calls(client, fake_vllm):
     fake_vllm.push(Script(tool_calls=[{"name": "a", "arguments": '{"k": 1}'}, {"name": "b", "arguments": '{"k": 2}'}]))
     stream = await client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}], stream=True, tools=[{"type": "function", "function": {"name": "a"}}]
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        stream=True,
+        tools=[{"type": "function", "function": {"name": "a"}}],
     )
     calls: dict[int, list[str]] = {}
     async for chunk in stream:
@@ -212,7 +228,10 @@ async def test_keepalive_comments_while_upstream_is_silent(start_proxy, fake_vll
 
 async def test_sequential_guard_streams_locally(start_proxy, fake_vllm):
     url = await start_proxy(sequential_reasoning_allowed=False, uses_reasoning_parser=True)
-    items = [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]}]
+    items = [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+    ]
     _, raw = await _raw_stream(url, "/v1/responses", {"model": "m", "input": items, "stream": True})
     events = _events(raw)
     assert events[-1]["type"] == "response.incomplete"

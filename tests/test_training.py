@@ -36,7 +36,9 @@ def tokenizes(fake) -> list:
 async def test_chat_reply_carries_token_ids(start_proxy, fake_vllm, inline):
     url = await start_proxy(return_token_id_information=True, request_prompt_and_generation_token_ids=inline)
     fake_vllm.push(Script(content="alpha beta gamma"))
-    status, reply = await post(url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "one two"}]})
+    status, reply = await post(
+        url, "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "one two"}]}
+    )
     assert status == 200, reply
     sent = generations(fake_vllm)[-1].json
     assert (sent["logprobs"], sent["top_logprobs"], sent["return_tokens_as_token_ids"]) == (True, 0, True)
@@ -66,7 +68,9 @@ async def test_responses_last_item_carries_token_ids_and_matches_tokenize(start_
     assert last["prompt_token_ids"] == ids("call it")
     assert len(last["generation_token_ids"]) == len(last["generation_log_probs"]) > 0
     assert "prompt_token_ids" not in response["output"][0]
-    status, tokenized = await post(url, "/tokenize", {"model": "m", "messages": [{"role": "user", "content": "call it"}]})
+    status, tokenized = await post(
+        url, "/tokenize", {"model": "m", "messages": [{"role": "user", "content": "call it"}]}
+    )
     assert tokenized["tokens"] == last["prompt_token_ids"]
 
 
@@ -74,8 +78,14 @@ async def test_token_fields_on_input_items_are_not_sent_upstream(start_proxy, fa
     url = await start_proxy(return_token_id_information=True)
     history = [
         {"role": "user", "content": "q"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}],
-         "prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.1]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "a"}],
+            "prompt_token_ids": [1],
+            "generation_token_ids": [2],
+            "generation_log_probs": [-0.1],
+        },
         {"role": "user", "content": "again"},
     ]
     status, _ = await post(url, "/v1/responses", {"model": "m", "input": history})
@@ -125,13 +135,22 @@ async def test_message_bundle_wins(start_proxy, fake_vllm):
     [
         (Script(content="x", message_extra={"prompt_token_ids": [1]}), "partial token metadata"),
         (
-            Script(content="x", message_extra={"prompt_token_ids": [1], "generation_token_ids": [2, 3], "generation_log_probs": [-1.0]}),
+            Script(
+                content="x",
+                message_extra={"prompt_token_ids": [1], "generation_token_ids": [2, 3], "generation_log_probs": [-1.0]},
+            ),
             "mismatched",
         ),
         (Script(content="x", top_extra={"prompt_token_ids": [1, 2]}), "missing: choice.token_ids"),
         (Script(content="x", choice_extra={"logprobs": None}), "had none"),
-        (Script(content="x", choice_extra={"logprobs": {"content": [{"token": "hello", "logprob": -1.0}]}}), "token_id:<int>"),
-        (Script(content="x", choice_extra={"logprobs": {"content": [{"token": "token_id:5", "logprob": True}]}}), "numeric"),
+        (
+            Script(content="x", choice_extra={"logprobs": {"content": [{"token": "hello", "logprob": -1.0}]}}),
+            "token_id:<int>",
+        ),
+        (
+            Script(content="x", choice_extra={"logprobs": {"content": [{"token": "token_id:5", "logprob": True}]}}),
+            "numeric",
+        ),
         (
             Script(content="a b", top_extra={"prompt_token_ids": [1]}, choice_extra={"token_ids": [1, 2]}),
             "disagree with choice logprob token IDs",
@@ -184,10 +203,25 @@ async def test_sampling_overrides_win_on_every_chat_path(start_proxy, fake_vllm,
 async def native_upstream(aiohttp_server):
     """A stand-in for an upstream that serves /v1/responses itself (OpenAI, Azure, vLLM's own)."""
     seen: list[tuple[web.Request, dict]] = []
-    reply = {"id": "resp_up", "object": "response", "created_at": 1.0, "model": "up", "status": "completed",
-             "output": [{"type": "message", "id": "msg_up", "role": "assistant", "status": "completed",
-                         "content": [{"type": "output_text", "text": "native!", "annotations": []}]}],
-             "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    reply = {
+        "id": "resp_up",
+        "object": "response",
+        "created_at": 1.0,
+        "model": "up",
+        "status": "completed",
+        "output": [
+            {
+                "type": "message",
+                "id": "msg_up",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "native!", "annotations": []}],
+            }
+        ],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
 
     async def responses(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -240,7 +274,12 @@ async def test_native_responses_pass_through(start_proxy, native_upstream):
 
 
 @pytest.mark.parametrize(
-    "clash", [{"return_token_id_information": True}, {"replace_developer_role_with_system": True}, {"sequential_reasoning_allowed": False}]
+    "clash",
+    [
+        {"return_token_id_information": True},
+        {"replace_developer_role_with_system": True},
+        {"sequential_reasoning_allowed": False},
+    ],
 )
 def test_native_mode_refuses_options_that_cannot_apply(clash):
     from gymproxy import ConfigError, build_config

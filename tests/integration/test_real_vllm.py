@@ -532,8 +532,6 @@ def test_completions_backend_chat_with_chat_template(proxies, vllm, paths, strea
     assert message["finish_reason"] == "stop"
 
 
-
-
 @STREAM
 def test_completions_backend_responses_with_chat_template(proxies, vllm, paths, stream):
     proxy = completions_proxy(proxies, vllm, paths)
