@@ -57,7 +57,7 @@ async def responses(proxy: Proxy, request: web.Request) -> web.StreamResponse:
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
-    body = proxy.boundary.prepare(body, history_done=True)
+    body = proxy.boundary.prepare(body, built=True)
     continued = body.get("continue_final_message") is True
     model = config.model or req.model
     parser = config.uses_reasoning_parser

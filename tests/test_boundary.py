@@ -447,7 +447,7 @@ def test_trailing_reasoning_item_is_blocked_only_with_the_parser(parser, blocked
     assert sequential_reasoning_blocked(boundary(uses_reasoning_parser=parser).prepare(converted)) is blocked
 
 
-# --- the Responses route: history built with the rules equals history rewritten by them -----------
+# --- the Responses route: a body built with the rules equals the body they rewrite ----------------
 
 # Text made of tag fragments, so that `<think>` blocks, stray tags and tags that only form where two
 # texts meet are common.
@@ -484,11 +484,27 @@ CONFIGS = [
 ]
 
 
+TOOLS = [
+    None,
+    [
+        {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True},
+        {"type": "function", "name": "g", "description": "d", "strict": False},
+        {"type": "function", "name": "h"},
+        {"type": "custom", "name": "c", "format": {"type": "grammar", "syntax": "lark", "definition": "x"}},
+    ],
+]
+
+
 @settings(max_examples=400, deadline=None, database=None)
-@given(items=st.lists(ITEM, max_size=10), config=st.sampled_from(CONFIGS), instructions=st.sampled_from([None, "be"]))
-def test_history_built_with_the_rules_is_the_history_they_rewrite(items, config, instructions):
-    req = REQUEST_DECODER.decode(orjson.dumps({"input": items, "instructions": instructions}))
+@given(
+    items=st.lists(ITEM, max_size=10),
+    config=st.sampled_from(CONFIGS),
+    instructions=st.sampled_from([None, "be"]),
+    tools=st.sampled_from(TOOLS),
+)
+def test_a_body_built_with_the_rules_is_the_body_they_rewrite(items, config, instructions, tools):
+    req = REQUEST_DECODER.decode(orjson.dumps({"input": items, "instructions": instructions, "tools": tools}))
     rules = boundary(**config)
     rewritten = rules.prepare(to_chat_body(req))
-    built = rules.prepare(to_chat_body(req, rules), history_done=True)
+    built = rules.prepare(to_chat_body(req, rules), built=True)
     assert msgspec.json.encode(built) == msgspec.json.encode(rewritten)

@@ -67,16 +67,17 @@ class Boundary:
         self.developer_as_system = config.replace_developer_role_with_system
         self._warned_template_kwargs = False
 
-    def prepare(self, body: dict[str, Any], *, history_done: bool = False) -> dict[str, Any]:
+    def prepare(self, body: dict[str, Any], *, built: bool = False) -> dict[str, Any]:
         """Rewrite `body` for vLLM; returns the body to send (a new mapping only when extra_body applies).
 
-        `history_done`: the messages were built with `role` and `split_turn` (and carry no token
-        metadata), so the per-message rules are skipped.
+        `built`: the body comes from `to_chat_body(req, self)`, whose messages were made with `role`
+        and `split_turn` (and carry no token metadata) and whose tools have no `strict`, so the
+        per-message and per-tool rules are skipped.
         """
         config = self.config
         messages: list[dict[str, Any]] = body["messages"]
         tools = body.get("tools")
-        if tools:
+        if tools and not built:
             body["tools"] = [_without_strict(tool) for tool in tools]
         if config.model is not None:
             body["model"] = config.model
@@ -104,7 +105,7 @@ class Boundary:
             body["return_tokens_as_token_ids"] = True
             if config.request_prompt_and_generation_token_ids:
                 body["return_token_ids"] = True
-        if not history_done:
+        if not built:
             body["messages"] = self._history(messages)
         if "top_logprobs" in body and body["top_logprobs"] is None:
             del body["top_logprobs"]  # vLLM reads a null top_logprobs as "no logprobs"

@@ -41,8 +41,8 @@ _NO_CHAT = (
 def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dict[str, Any]:
     """Convert a Responses request into a Chat Completions body.
 
-    With a `boundary`, history messages are built as its rules want them (pass the body on with
-    `boundary.prepare(body, history_done=True)`); without one, they are the plain conversion.
+    With a `boundary`, messages and tools are built as its rules want them (pass the body on with
+    `boundary.prepare(body, built=True)`); without one, they are the plain conversion.
     Token metadata on input items (a training client echoing earlier turns) is validated but never
     sent: vLLM does not read it, and it would multiply the size of long rollouts.
     """
@@ -74,7 +74,7 @@ def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dic
         _reasoning(req, body)
     if req.text is not None:
         _text_format(req, body)
-    _tools(req, body)
+    _tools(req, body, strict=boundary is None)  # vLLM mishandles `strict`: the boundary drops it
     for name in _PASSED:
         value = getattr(req, name)
         if value is not None:
@@ -343,26 +343,27 @@ def _text_format(req: ResponsesRequest, body: dict[str, Any]) -> None:
         body["verbosity"] = text.verbosity
 
 
-def _tools(req: ResponsesRequest, body: dict[str, Any]) -> None:
+def _tools(req: ResponsesRequest, body: dict[str, Any], *, strict: bool) -> None:
+    """`tools`, `tool_choice`, `parallel_tool_calls`; function tools keep `strict` only if asked."""
     if not req.tools:
         if req.tool_choice not in (None, "auto", "none"):
             raise BadRequest(
                 f"tool_choice={_choice_repr(req.tool_choice)} requires at least one tool", param="tool_choice"
             )
         return
-    body["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(req.tools)]
+    body["tools"] = [_chat_tool(tool, i, strict) for i, tool in enumerate(req.tools)]
     if req.tool_choice is not None:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
 
 
-def _chat_tool(tool: FunctionTool | CustomTool, where: str) -> dict[str, Any]:
+def _chat_tool(tool: FunctionTool | CustomTool, index: int, strict: bool) -> dict[str, Any]:
     if tool.defer_loading:
         raise BadRequest(
             f"Responses {'function' if isinstance(tool, FunctionTool) else 'custom'} tools with "
             "defer_loading enabled have no Chat Completions representation.",
-            param=f"{where}.defer_loading",
+            param=f"tools[{index}].defer_loading",
         )
     if isinstance(tool, FunctionTool):
         function: dict[str, Any] = {"name": tool.name}
@@ -370,7 +371,7 @@ def _chat_tool(tool: FunctionTool | CustomTool, where: str) -> dict[str, Any]:
             function["description"] = tool.description
         if tool.parameters != NULL:
             function["parameters"] = tool.parameters
-        if tool.strict is not None:
+        if tool.strict is not None and strict:
             function["strict"] = tool.strict
         return {"type": "function", "function": function}
     custom: dict[str, Any] = {"name": tool.name}
