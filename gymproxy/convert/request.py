@@ -110,6 +110,8 @@ class _Turns:
     item's place (`input[3]`) is spelled out only in an error.
     """
 
+    __slots__ = ("boundary", "messages", "pending", "text", "thoughts", "said", "refusal", "tool_calls")
+
     def __init__(self, boundary: Boundary | None) -> None:
         self.boundary = boundary
         self.messages: list[dict[str, Any]] = []
