@@ -46,8 +46,9 @@ def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dic
     Token metadata on input items (a training client echoing earlier turns) is validated but never
     sent: vLLM does not read it, and it would multiply the size of long rollouts.
     """
-    refused = sorted(name for name in REFUSED_FIELDS if getattr(req, name) is not None)
+    refused = [name for name in REFUSED_FIELDS if getattr(req, name) is not None]
     if refused:
+        refused.sort()
         raise BadRequest(
             f"Responses request field(s) {refused} have no Chat Completions representation, so this "
             "request cannot be downconverted. Route it to a model server that passes Responses through.",
