@@ -1,7 +1,7 @@
 """Responses streaming events (wire-facts B.2): one Struct per payload shape, `type` first.
 
 Every event carries `sequence_number`; `encode_event` frames one as `event: <type>` plus its JSON
-`data:` line, so the event name and the payload's `type` cannot disagree. `encode_delta` writes
+`data:` line, so the event name and the payload's `type` cannot disagree. `DeltaFrames` writes
 the four `*.delta` events (one per streamed token) straight to bytes, identical to their Structs.
 """
 
