@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -282,6 +283,10 @@ class LoopThread:
         self.loop.close()
 
 
+# gymproxy logs one of these per upstream once its startup probe of /v1/models is done
+PROBE_LOGGED = re.compile(r"upstream \S+: \S+ (?:answered|is NOT answering)")
+
+
 @dataclass
 class Gymproxy:
     """`python -m gymproxy serve --config FILE` in a subprocess."""
@@ -308,6 +313,22 @@ class Gymproxy:
                 stdin=subprocess.DEVNULL,
             )
         wait_http(self.root + "/health", 30, self.proc, self.log)
+        self._wait_for_probes(15)
+
+    def _wait_for_probes(self, timeout: float) -> None:
+        """Wait until the startup probe of every upstream's /v1/models is logged.
+
+        The probe runs in the background after the port opens; a test's first `take` must not
+        find it among the upstream exchanges its own request caused.
+        """
+        expected = len(self.config.get("upstreams") or [self.config.get("base_url")])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            probes = PROBE_LOGGED.findall(self.log.read_text(errors="replace"))
+            if len(probes) >= expected:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"gymproxy did not probe its {expected} upstream(s) within {timeout:.0f} s\n{tail(self.log)}")
 
     def stop(self) -> None:
         if self.proc is not None:
