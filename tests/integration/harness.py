@@ -328,7 +328,9 @@ class Gymproxy:
             if len(probes) >= expected:
                 return
             time.sleep(0.05)
-        raise RuntimeError(f"gymproxy did not probe its {expected} upstream(s) within {timeout:.0f} s\n{tail(self.log)}")
+        raise RuntimeError(
+            f"gymproxy did not probe its {expected} upstream(s) within {timeout:.0f} s\n{tail(self.log)}"
+        )
 
     def stop(self) -> None:
         if self.proc is not None:
