@@ -71,3 +71,28 @@ def test_bench_convert_reports_every_operation() -> None:
     rows = [value for section in report["sections"].values() for value in section.values()]
     assert len(report["sections"]) == 6
     assert rows and all(value["median"] > 0 and value["best"] > 0 for value in rows)
+
+
+def test_stages_times_each_stage_inside_the_server(tmp_path: Path) -> None:
+    out = tmp_path / "stages.txt"
+    result = run(
+        "bench_proxy.py", "--scenario", "responses-multiturn,responses-stream,chat-stream", "--targets", "gymproxy",
+        "--duration", "0.3", "--warmup", "0.1", "--rounds", "1", "--concurrency", "2", "--chunk-interval", "0.0005",
+        "--variant", f"stages={sys.executable} {BENCH / 'stages.py'} --out {out}",
+    )  # fmt: skip
+    assert "stages" in result.stdout
+    table = out.read_text()
+    calls = {
+        line[:40].strip(): int(line[40:50])
+        for line in table.splitlines()[2:]  # after the title and the header
+    }
+    for stage in (
+        "decode the Responses request",
+        "to_chat_body",
+        "to_response",
+        "stream: decode a chunk",
+        "stream: ResponsesStream.feed",
+        "stream: check a chat chunk",
+        "stream: write to the client",
+    ):
+        assert calls.get(stage, 0) > 0, (stage, table)

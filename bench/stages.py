@@ -1,0 +1,144 @@
+"""Where gymproxy's time goes inside the running server: each conversion stage, timed per call.
+
+A micro-benchmark (bench_convert.py) times the stages alone, with warm caches. Inside a server
+under load the same calls cost several times more, because the event loop, the sockets and 16
+interleaved requests evict them from the CPU caches between calls. This launcher runs
+`gymproxy serve` with a `perf_counter` around each stage call and writes a table when the server
+stops, so the profile of a bench_proxy.py run says which stage costs what, per request and per
+chunk. Use it as a variant (the wrappers add ~0.2 µs a call, so compare stages, not the totals):
+
+    python bench/bench_proxy.py --targets floor,gymproxy --scenario responses-stream \\
+        --target-cpus 1 --variant "stages=python bench/stages.py --out /tmp/stages.txt"
+
+Every timed stage is synchronous, so on a CPU of its own its wall time is its CPU time; the
+exception is the client write, which includes the send system call that the floor also makes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+import gymproxy.handlers as handlers
+import gymproxy.streaming as streaming
+from gymproxy import cli
+from gymproxy.convert.boundary import Boundary
+
+_clock = time.perf_counter_ns
+
+
+class Stage:
+    __slots__ = ("name", "ns", "calls")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ns = 0
+        self.calls = 0
+
+
+STAGES: list[Stage] = []
+REQUESTS: dict[str, int] = {"responses": 0, "chat_completions": 0}
+
+
+def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    stage = Stage(name)
+    STAGES.append(stage)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = _clock()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            stage.ns += _clock() - start
+            stage.calls += 1
+
+    return timed
+
+
+def _timed_async(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    stage = Stage(name)
+    STAGES.append(stage)
+
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        start = _clock()
+        try:
+            return await function(*args, **kwargs)
+        finally:
+            stage.ns += _clock() - start
+            stage.calls += 1
+
+    return timed
+
+
+class _Method:
+    """Stands in for a decoder or encoder object whose one method is timed."""
+
+    def __init__(self, name: str, method: Callable[..., Any]) -> None:
+        self.decode = self.encode = _timed(name, method)
+
+
+def _counted(route: str, handler: Callable[..., Any]) -> Callable[..., Any]:
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        REQUESTS[route] += 1
+        return await handler(*args, **kwargs)
+
+    return counted
+
+
+def install() -> None:
+    """Wrap the stages of both routes (the route table binds handlers at startup, after this)."""
+    handlers.responses = _counted("responses", handlers.responses)
+    handlers.chat_completions = _counted("chat_completions", handlers.chat_completions)
+    handlers.read_body = _timed_async("read the request body", handlers.read_body)
+    handlers.decode_responses = _timed("decode the Responses request", handlers.decode_responses)
+    handlers.decode_chat = _timed("decode the chat request", handlers.decode_chat)
+    handlers.to_chat_body = _timed("to_chat_body", handlers.to_chat_body)
+    Boundary.prepare = _timed("Boundary.prepare", Boundary.prepare)  # type: ignore[method-assign]
+    handlers.ENCODER = _Method("encode (chat body, Response)", handlers.ENCODER.encode)  # type: ignore[assignment]
+    handlers.COMPLETION_DECODER = _Method("decode the chat completion", handlers.COMPLETION_DECODER.decode)  # type: ignore[assignment]
+    handlers.to_response = _timed("to_response", handlers.to_response)
+    streaming._Payloads.feed = _timed("stream: SSE decode", streaming._Payloads.feed)  # type: ignore[method-assign]
+    streaming.CHUNK_DECODER = _Method("stream: decode a chunk", streaming.CHUNK_DECODER.decode)  # type: ignore[assignment]
+    rs = streaming.ResponsesStream
+    rs.start = _timed("stream: ResponsesStream.start", rs.start)  # type: ignore[method-assign]
+    rs.feed = _timed("stream: ResponsesStream.feed", rs.feed)  # type: ignore[method-assign]
+    rs.finish = _timed("stream: ResponsesStream.finish", rs.finish)  # type: ignore[method-assign]
+    streaming._CHUNK_CHECK = _Method("stream: check a chat chunk", streaming._CHUNK_CHECK.decode)  # type: ignore[assignment]
+    folder = streaming.ChatReasoningFolder
+    folder.needed = _timed("stream: ChatReasoningFolder.needed", folder.needed)  # type: ignore[method-assign]
+    folder.fold = _timed("stream: ChatReasoningFolder.fold", folder.fold)  # type: ignore[method-assign]
+    web.StreamResponse.write = _timed_async("stream: write to the client", web.StreamResponse.write)  # type: ignore[method-assign]
+
+
+def report() -> str:
+    lines = [
+        f"gymproxy stages: {REQUESTS['responses']} /v1/responses and {REQUESTS['chat_completions']} "
+        "/v1/chat/completions requests",
+        f"  {'stage':38} {'calls':>9} {'µs/call':>9} {'total ms':>10}",
+    ]
+    for stage in STAGES:
+        if stage.calls:
+            lines.append(
+                f"  {stage.name:38} {stage.calls:9d} {stage.ns / stage.calls / 1000:9.2f} {stage.ns / 1e6:10.1f}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="write the table here when the server stops")
+    args, rest = parser.parse_known_args(argv)
+    install()
+    atexit.register(lambda: args.out.write_text(report()))
+    cli.main(rest)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
