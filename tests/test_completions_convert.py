@@ -369,7 +369,7 @@ def text_logprobs(ids: list[int], values: list[float], *, as_ids: bool = True) -
         "text_offset": list(range(len(ids))),
         "token_logprobs": values,
         "tokens": tokens,
-        "top_logprobs": [{t: v} for t, v in zip(tokens, values)],
+        "top_logprobs": [{t: v} for t, v in zip(tokens, values, strict=True)],
     }
 
 

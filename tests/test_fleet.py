@@ -27,7 +27,7 @@ async def fleet(aiohttp_server):
     """Three fake vLLMs on their own ports: (fakes, servers)."""
     fakes = [FakeVLLM(model=f"m{i}") for i in range(3)]
     servers = [await aiohttp_server(fake.app) for fake in fakes]
-    for fake, server in zip(fakes, servers):
+    for fake, server in zip(fakes, servers, strict=True):
         fake.url = str(server.make_url("/v1"))
     return fakes, servers
 
@@ -70,7 +70,7 @@ async def test_a_session_stays_on_one_upstream_and_sessions_spread(aiohttp_serve
             for _ in range(4):
                 later = await ask(session, url, pin)
                 assert later.status == 200 and pin_of(later) is None  # a valid pin is not re-set
-            moved = [generations(f) - b for f, b in zip(fakes, before)]
+            moved = [generations(f) - b for f, b in zip(fakes, before, strict=True)]
             assert sorted(moved) == [0, 0, 4], moved
             pins.append(Signer(SECRET.encode(), 3600).unsign(pin))
     assert len(set(pins)) == 3  # new sessions went to every upstream
@@ -114,13 +114,13 @@ async def test_session_header_and_user_field_map_consistently(aiohttp_server, fl
             before = [generations(f) for f in fakes]
             for _ in range(3):
                 await ask(session, url, **{"X-Session-ID": key})
-            moved = [generations(f) - b for f, b in zip(fakes, before)]
+            moved = [generations(f) - b for f, b in zip(fakes, before, strict=True)]
             assert sorted(moved) == [0, 0, 3]
         before = [generations(f) for f in fakes]
         for _ in range(3):
             async with session.post(url + "/v1/responses", json={"model": "m", "input": "x", "user": "agent-7"}) as r:
                 assert r.status == 200
-        moved = [generations(f) - b for f, b in zip(fakes, before)]
+        moved = [generations(f) - b for f, b in zip(fakes, before, strict=True)]
         assert sorted(moved) == [0, 0, 3]
 
 

@@ -835,11 +835,11 @@ def test_folder_content_equals_non_streaming_fold(name, continued, finish):
     assert out[0] is payloads[0]  # the role chunk
     assert out[-1] is payloads[-1]  # the usage chunk, choices: []
     if reasoning is None:
-        assert all(o is p for o, p in zip(out, payloads))
+        assert all(o is p for o, p in zip(out, payloads, strict=True))
     # Tool calls, finish reasons and usage are untouched.
-    for before, after in zip(chunks, folded):
+    for before, after in zip(chunks, folded, strict=True):
         assert after.get("usage") == before.get("usage")
-        for b, a in zip(before["choices"], after["choices"]):
+        for b, a in zip(before["choices"], after["choices"], strict=True):
             assert a["finish_reason"] == b["finish_reason"]
             assert a["delta"].get("tool_calls") == b["delta"].get("tool_calls")
 
