@@ -5,7 +5,7 @@ under load the same calls cost several times more, because the event loop, the s
 interleaved requests evict them from the CPU caches between calls. This launcher runs
 `gymproxy serve` with a `perf_counter` around each stage call and writes a table when the server
 stops, so the profile of a bench_proxy.py run says which stage costs what, per request and per
-chunk. Use it as a variant (the wrappers add ~0.2 µs a call, so compare stages, not the totals):
+chunk. Use it as a variant (a wrapper adds ~0.4 µs of CPU a call: compare stages, not totals):
 
     python bench/bench_proxy.py --targets floor,gymproxy --scenario responses-stream \\
         --target-cpus 1 --variant "stages=python bench/stages.py --out /tmp/stages.txt"
