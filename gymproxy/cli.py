@@ -150,10 +150,16 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
         child.start()
     log.info("gymproxy %s: %d workers on http://%s:%d", __version__, workers, config.host, config.port)
 
+    stopping = False
+
     def stop(signum: int, frame: Any) -> None:
-        for child in children:
-            if child.is_alive():
-                child.terminate()
+        # Once only: a second SIGTERM would cut short a worker still draining its requests.
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            for child in children:
+                if child.is_alive():
+                    child.terminate()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -163,7 +169,10 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
     finally:
         stop(0, None)
         for child in children:
-            child.join(timeout=30)
+            child.join(timeout=config.shutdown_grace_s + 5)
+            if child.is_alive():
+                child.kill()
+                child.join()
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")

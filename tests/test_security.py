@@ -239,3 +239,41 @@ async def test_admin_port_and_graceful_shutdown(fake_vllm, tmp_path):
             _, stderr = process.communicate(timeout=15)
     assert process.returncode == 0, stderr.decode()
     assert not os.path.exists(f"/proc/{process.pid}")
+
+
+async def test_workers_finish_their_streams_on_sigterm(fake_vllm, tmp_path):
+    """Each worker drains its own streams; one that stops first does not cut the others short.
+
+    The streams have different lengths, so the two workers finish draining at different times.
+    """
+    port = _free_port()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"base_url: {fake_vllm.url}\nport: {port}\nshutdown_grace_s: 10\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gymproxy", "serve", "--config", str(config), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        await _wait_up(f"http://127.0.0.1:{port}/health")
+        await asyncio.sleep(1.0)  # the second worker is listening too
+        texts = [" ".join(f"w{i}x{j}" for j in range(3 + 2 * i)) for i in range(8)]
+        fake_vllm.push(*(Script(content=text, chunk_delay=0.15) for text in texts))
+        body = {"model": "m", "input": "x", "stream": True}
+        # One connection each (`call` opens a session per request): the kernel spreads them over both workers.
+        streams = [asyncio.ensure_future(call(f"http://127.0.0.1:{port}", "/v1/responses", body)) for _ in texts]
+        await asyncio.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        replies = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        finished = sorted(text for text in texts for _, _, raw in replies if orjson.dumps(text) in raw)
+        assert [status for status, _, _ in replies] == [200] * len(texts)
+        assert all(raw.rstrip().splitlines()[-1].startswith(b"data:") for _, _, raw in replies)
+        assert all(b"event: response.completed" in raw for _, _, raw in replies), replies
+        assert finished == sorted(texts)
+    finally:
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate(timeout=15)
+    assert process.returncode == 0, stderr.decode()
