@@ -35,12 +35,15 @@ _clock = time.perf_counter_ns
 
 
 class Stage:
+    """One timed stage; made in the order of the table, which lists every stage made."""
+
     __slots__ = ("name", "ns", "calls")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.ns = 0
         self.calls = 0
+        STAGES.append(self)
 
 
 STAGES: list[Stage] = []
@@ -49,7 +52,6 @@ REQUESTS: dict[str, int] = {"responses": 0, "chat_completions": 0}
 
 def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     stage = Stage(name)
-    STAGES.append(stage)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = _clock()
@@ -64,7 +66,6 @@ def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _timed_async(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
     stage = Stage(name)
-    STAGES.append(stage)
 
     async def timed(*args: Any, **kwargs: Any) -> Any:
         start = _clock()

@@ -82,10 +82,8 @@ def test_stages_times_each_stage_inside_the_server(tmp_path: Path) -> None:
     )  # fmt: skip
     assert "stages" in result.stdout
     table = out.read_text()
-    calls = {
-        line[:40].strip(): int(line[40:50])
-        for line in table.splitlines()[2:]  # after the title and the header
-    }
+    rows = [line.rsplit(None, 3) for line in table.splitlines()[2:]]  # after the title and the header
+    calls = {name.strip(): int(count) for name, count, _per_call, _total in rows}
     for stage in (
         "decode the Responses request",
         "to_chat_body",
