@@ -1,8 +1,9 @@
-"""The upstream hop's HTTP/1.1 client: keep-alive connections, Content-Length and chunked bodies, streaming reads.
+"""The upstream hop's HTTP/1.1 client: keep-alive connections, replies framed by llhttp, streaming reads.
 
 gymproxy talks to vLLM over plain HTTP/1.1 and needs little of a general client: no cookies,
 redirects, proxies, compression or tracing. Doing only what it needs costs a fraction of the CPU of
 aiohttp's ClientSession per request (measured in bench/), which is most of what a relay spends.
+Replies are framed by `httptools.HttpResponseParser` (llhttp, strict mode), fed from `data_received`.
 
     client = Client(limit=0, keepalive=4.0, connect_timeout=10.0, read_timeout=None)
     reply = await client.request("POST", URL("http://gpu-1:8000/v1/chat/completions"), headers, body)
@@ -12,24 +13,28 @@ aiohttp's ClientSession per request (measured in bench/), which is most of what 
         reply.release()                    # back to the pool if the body was read whole, else closed
 
 Every failure is a `ClientError`: `CannotConnect` (the request was never sent), `ConnectTimeout` and
-`ReadTimeout` (both also `TimeoutError`s), or `BadReply` (the connection broke or the upstream
-broke HTTP). A reply whose body was not read to its end is never reused: its connection is closed,
-which is also how a generation is aborted.
+`ReadTimeout` (both also `TimeoutError`s), `BadReply` (the connection broke or the upstream broke
+HTTP), or the `Aborted` reason its owner gave. A connection is reused only after a reply that was
+read to its end, framed cleanly, and followed by nothing: a byte that arrives on a connection with no
+reply in progress closes it, so no reply is ever read as the answer to another request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
+from typing import cast
 
+import httptools
 from yarl import URL
 
-MAX_HEAD = 64 * 1024  # status line and headers of one reply
-HIGH_WATER = 256 * 1024  # unread bytes buffered before the upstream is asked to pause
+MAX_HEAD = 64 * 1024  # status line and headers of one reply (trailers count too)
+HIGH_WATER = 256 * 1024  # unread body bytes buffered before the upstream is asked to pause
 NO_BODY_STATUSES = frozenset({204, 304})
-_HEX = b"0123456789abcdefABCDEF"
+_POLL = getattr(select, "poll", None)
 
 
 class ClientError(Exception):
@@ -52,85 +57,85 @@ class BadReply(ClientError):
     """The connection closed early, or the upstream's bytes are not HTTP/1.1 we can read."""
 
 
+class Aborted(ClientError):
+    """The reply's owner gave up on it (`Reply.abort`); the message is the owner's reason."""
+
+
+class _Surplus(Exception):
+    """Raised inside the parser when a second message starts after the reply ended."""
+
+
 class _Connection(asyncio.Protocol):
-    """One TCP connection: the bytes received and not yet consumed, and a waiter for more."""
+    """One TCP connection; its bytes go to the reply in progress, and to nobody while it is idle."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, str, int]) -> None:
         self.loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.eof = False
-        self.lost: BaseException | None = None
-        self.waiter: asyncio.Future[None] | None = None
+        self.fd = -1
+        self.reply: Reply | None = None
+        self.closed = False
         self.paused = False
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        if len(self.buffer) > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
+        reply = self.reply
+        if reply is None:
+            self.close()  # idle: these bytes answer no request of ours, and the framing is lost
+        else:
+            reply._feed(data)
 
     def eof_received(self) -> bool:
-        self.eof = True
-        self._wake()
+        self.closed = True
+        if self.reply is not None:
+            self.reply._ended(None)
         return False  # let the transport close
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.eof = True
-        self.lost = exc
-        self._wake()
+        self.closed = True
+        if self.reply is not None:
+            self.reply._ended(exc)
 
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
 
-    def consumed(self) -> None:
-        """Bytes were taken from the buffer: let the upstream send again once it drains."""
-        if self.paused and len(self.buffer) <= HIGH_WATER // 4 and self.transport is not None:
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
-    async def more(self, read_timeout: float | None) -> None:
-        """Wait until bytes arrive or the connection ends (then BadReply)."""
-        if self.paused and self.transport is not None:  # the reader needs more than what is buffered
-            self.paused = False
-            self.transport.resume_reading()
-        if self.eof:
-            why = f": {self.lost}" if self.lost else ""
-            raise BadReply(f"the upstream closed the connection{why}")
-        waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(read_timeout, self._timed_out) if read_timeout is not None else None
-        try:
-            await waiter
-        finally:
-            self.waiter = None
-            if timer is not None:
-                timer.cancel()
-
-    def _timed_out(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ReadTimeout("no bytes from the upstream within the read timeout"))
-
-    @property
-    def usable(self) -> bool:
-        return not self.eof and self.transport is not None and not self.transport.is_closing()
+    def reusable(self, now: float, keepalive: float) -> bool:
+        """Still open, idle for less than `keepalive`, and nothing arrived since the last reply."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        if now - self.idle_since >= keepalive:
+            return False
+        # Bytes (or the EOF) may sit in the socket that the loop has not read yet: poll for them, so a
+        # late surplus of the last reply can never be read as the reply to the next request.
+        if _POLL is not None and self.fd >= 0:
+            poller = _POLL()
+            poller.register(self.fd, select.POLLIN)
+            return not poller.poll(0)
+        return True
 
     def close(self) -> None:
-        self.eof = True
+        self.closed = True
         if self.transport is not None:
             self.transport.close()
 
 
 class Reply:
-    """An upstream reply: status and headers at once, the body read whole or piece by piece."""
+    """An upstream reply: status and headers at once, the body read whole or piece by piece.
+
+    It is the parser's callback target: llhttp calls the `on_*` methods while `_feed` runs.
+    """
 
     __slots__ = (
         "url",
@@ -138,21 +143,42 @@ class Reply:
         "headers",
         "_client",
         "_conn",
-        "_keep",
-        "_left",
-        "_chunked",
-        "_chunk_state",
-        "_done",
+        "_parser",
         "_timeout",
+        "_pieces",
+        "_size",
+        "_head_done",
+        "_interim",
+        "_complete",
+        "_until_close",
+        "_keep",
+        "_error",
+        "_waiter",
+        "_head_size",
+        "_stall",
+        "_progress",
     )
 
     def __init__(self, client: Client, conn: _Connection, url: URL) -> None:
         self.url = url
-        self._client = client
-        self._conn: _Connection | None = conn
-        self._timeout = client.read_timeout
         self.status = 0
         self.headers: dict[str, str] = {}
+        self._client = client
+        self._conn: _Connection | None = conn
+        self._parser = httptools.HttpResponseParser(self)
+        self._timeout = client.read_timeout
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._head_done = False
+        self._interim = False
+        self._complete = False
+        self._until_close = False  # the body ends when the connection does
+        self._keep = False
+        self._error: ClientError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._head_size = 0
+        self._stall = 0  # bytes fed since the parser last made progress
+        self._progress = False
 
     @property
     def content_type(self) -> str:
@@ -162,164 +188,199 @@ class Reply:
             return "application/octet-stream"
         return value.partition(";")[0].strip().lower()
 
-    async def _read_head(self, head_request: bool) -> None:
-        conn = self._conn
-        assert conn is not None
-        buffer = conn.buffer
-        while True:
-            end = buffer.find(b"\r\n\r\n")
-            while end < 0:
-                if len(buffer) > MAX_HEAD:
-                    raise BadReply(f"the upstream's reply headers are over {MAX_HEAD} bytes")
-                await conn.more(self._timeout)
-                end = buffer.find(b"\r\n\r\n")
-            head = bytes(buffer[:end])
-            del buffer[: end + 4]
-            lines = head.split(b"\r\n")
-            version, _, rest = lines[0].partition(b" ")
-            code = rest[:3]
-            if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
-                raise BadReply(f"the upstream's reply does not start with an HTTP/1.x status line: {lines[0][:80]!r}")
-            status = int(code)
-            if 100 <= status < 200:
-                continue  # 100 Continue and other interim replies: the real one follows
-            break
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(b":")
-            if not sep or not name or name != name.strip():
-                raise BadReply(f"the upstream sent a malformed header line: {line[:80]!r}")
-            key = name.decode("latin-1").lower()
-            text = value.strip().decode("latin-1")
-            headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        self.status = status
-        self.headers = headers
-        self._keep = version == b"HTTP/1.1" and "close" not in headers.get("connection", "").lower()
-        self._chunked = False
-        self._done = False
-        self._left = -1  # bytes of body still to come; -1: until the connection closes
-        if head_request or status in NO_BODY_STATUSES:
-            self._left = 0
-        elif "transfer-encoding" in headers:
-            if headers["transfer-encoding"].lower() != "chunked":
-                raise BadReply(f"the upstream used Transfer-Encoding {headers['transfer-encoding']!r}, not chunked")
-            self._chunked = True
-            self._chunk_state = 0  # 0: a size line is next; >0: data bytes left; -1: the CRLF after data
-        elif "content-length" in headers:
-            length = headers["content-length"]
-            if not length.isdigit():
-                raise BadReply(f"the upstream sent an invalid Content-Length {length[:40]!r}")
-            self._left = int(length)
-        else:
-            self._keep = False  # the body ends when the connection does
-        if self._left == 0:
-            self._done = True
+    # --- the parser's callbacks (run inside _feed) ---------------------------------------------
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise _Surplus
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._progress = True
+        self._head_size += len(name) + len(value) + 4
+        if self._head_size > MAX_HEAD:
+            raise BadReply(f"the upstream's reply headers are over {MAX_HEAD} bytes")
+        if self._head_done:
+            return  # a trailer: counted, not kept
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key == "transfer-encoding" and text.strip().lower() != "chunked":
+            raise BadReply(f"the upstream used Transfer-Encoding {text[:40]!r}; gymproxy reads only chunked")
+        headers = self.headers
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+
+    def on_headers_complete(self) -> None:
+        self._progress = True
+        parser = self._parser
+        status = parser.get_status_code()
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise BadReply(f"the upstream answered HTTP/{parser.get_http_version()}, not HTTP/1.x")
+        if not 100 <= status <= 599:
+            raise BadReply(f"the upstream's status code {status} is outside 100-599")
+        if status < 200:  # 100 Continue and other interim replies: the real one follows
+            if status == 101:
+                raise BadReply("the upstream switched protocols (101), which gymproxy never asks for")
+            self._interim = True
+            self.headers = {}
+            self._head_size = 0
+            return
+        self.status = status
+        self._keep = parser.should_keep_alive()
+        headers = self.headers
+        self._until_close = (
+            status not in NO_BODY_STATUSES and "content-length" not in headers and "transfer-encoding" not in headers
+        )
+        self._head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self._progress = True
+        self._pieces.append(body)
+        self._size += len(body)
+
+    def on_message_complete(self) -> None:
+        self._progress = True
+        if self._interim:
+            self._interim = False
+        else:
+            self._complete = True
+
+    # --- fed by the connection -----------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        if self._complete:
+            self._fail(BadReply("the upstream sent bytes after the end of its reply"))
+            return
+        self._progress = False
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Surplus):
+                self._fail(BadReply("the upstream sent bytes after the end of its reply"))
+            elif isinstance(cause, BadReply):
+                self._fail(cause)
+            else:  # a bug in a callback above: still never a hang
+                self._fail(BadReply(f"gymproxy could not read the upstream's reply ({cause!r})"))
+        except httptools.HttpParserError as exc:
+            if self._complete:
+                self._fail(BadReply("the upstream sent bytes after the end of its reply"))
+            else:
+                self._fail(BadReply(f"the upstream's reply is not valid HTTP/1.1 ({exc})"))
+        else:
+            if self._progress:
+                self._stall = 0
+            else:
+                self._stall += len(data)
+                if self._stall > MAX_HEAD:
+                    if self._head_done:
+                        why = f"the upstream sent over {MAX_HEAD} bytes without ending a chunk size line or trailer"
+                    else:
+                        why = f"the upstream's reply headers are over {MAX_HEAD} bytes"
+                    self._fail(BadReply(why))
+                    return
+            conn = self._conn
+            if self._size > HIGH_WATER and conn is not None:
+                conn.pause()
+        self._wake()
+
+    def _ended(self, exc: BaseException | None) -> None:
+        """The connection ended (EOF or lost)."""
+        if self._complete or self._error is not None:
+            self._wake()
+            return
+        if self._head_done and self._until_close and exc is None:
+            self._complete = True  # a body delimited by the connection closing
+            self._wake()
+            return
+        why = f": {exc}" if exc else ""
+        if self._head_done:
+            self._fail(BadReply(f"the upstream closed the connection before the end of its reply{why}"))
+        else:
+            self._fail(BadReply(f"the upstream closed the connection{why}"))
+
+    def _fail(self, error: ClientError) -> None:
+        self._error = error
+        conn = self._conn
+        if conn is not None:
+            conn.close()  # its framing is lost: it can never carry another reply
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        """Until the connection delivers more (or ends, or the read timeout passes)."""
         conn = self._conn
         if conn is None:
             raise BadReply("the reply was already closed")
-        left = self._left
-        if not self._chunked and left >= 0:
-            buffer = conn.buffer
-            while len(buffer) < left:
-                await conn.more(self._timeout)
-            body = bytes(buffer[:left]) if len(buffer) > left else bytes(buffer)
-            del buffer[:left]
-            self._left = 0
-            self._done = True
-            conn.consumed()
-            return body
-        parts = [data async for data in self.iter_any()]
-        return b"".join(parts)
+        conn.resume()  # the reader needs more than what is buffered
+        loop = conn.loop
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(self._timeout, self._timed_out) if self._timeout is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ReadTimeout("no bytes from the upstream within the read timeout"))
+
+    # --- the owner's side ------------------------------------------------------------------------
+
+    async def _read_head(self) -> None:
+        while not self._head_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self._complete:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        pieces = self._pieces
+        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self._size = 0
+        return body
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: each piece is whatever was received, de-chunked."""
-        while not self._done:
-            data = self._take()
-            if data:
+        """The body as it arrives: each piece is whatever was received, de-chunked. A failure is
+        raised after the pieces that came before it."""
+        pieces = self._pieces
+        while True:
+            if pieces:
+                data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                self._size = 0
                 yield data
-            elif not self._done:
-                conn = self._conn
-                if conn is None:
-                    raise BadReply("the reply was already closed")
-                if self._left < 0 and not self._chunked and conn.eof and conn.lost is None:
-                    self._done = True  # a body delimited by the connection closing
-                    return
-                await conn.more(self._timeout)
+            elif self._error is not None:
+                raise self._error
+            elif self._complete:
+                return
+            else:
+                await self._wait()
 
-    def _take(self) -> bytes:
-        """Body bytes available now (possibly none)."""
-        conn = self._conn
-        if conn is None:
-            return b""
-        buffer = conn.buffer
-        if not buffer:
-            return b""
-        if self._chunked:
-            data = self._dechunk(buffer)
-        elif self._left < 0:
-            data = bytes(buffer)
-            buffer.clear()
-        else:
-            n = min(self._left, len(buffer))
-            data = bytes(buffer[:n])
-            del buffer[:n]
-            self._left -= n
-            self._done = self._left == 0
-        conn.consumed()
-        return data
-
-    def _dechunk(self, buffer: bytearray) -> bytes:
-        out: list[bytes] = []
-        state = self._chunk_state
-        while buffer:
-            if state > 0:  # inside a chunk's data
-                n = min(state, len(buffer))
-                out.append(bytes(buffer[:n]))
-                del buffer[:n]
-                state -= n
-                if state == 0:
-                    state = -1
-            elif state == -1:  # the CRLF that ends a chunk's data
-                if len(buffer) < 2:
-                    break
-                if buffer[:2] != b"\r\n":
-                    raise BadReply("the upstream's chunked body is malformed (no CRLF after a chunk)")
-                del buffer[:2]
-                state = 0
-            elif state == 0:  # a size line
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    if len(buffer) > 1024:
-                        raise BadReply("the upstream's chunked body is malformed (size line too long)")
-                    break
-                size_text = bytes(buffer[:end]).partition(b";")[0].strip()
-                if not size_text or size_text.strip(_HEX):
-                    raise BadReply(f"the upstream's chunked body is malformed (size {size_text[:20]!r})")
-                size = int(size_text, 16)
-                del buffer[: end + 2]
-                if size and buffer[size : size + 2] == b"\r\n":  # the whole chunk is here (one SSE event, mostly)
-                    out.append(bytes(buffer[:size]))
-                    del buffer[: size + 2]
-                    continue
-                state = size if size > 0 else -2
-            else:  # -2: trailers after the last chunk, up to an empty line
-                end = buffer.find(b"\r\n")
-                if end < 0:
-                    break
-                del buffer[: end + 2]
-                if end == 0:
-                    self._done = True
-                    break
-        self._chunk_state = state
-        return b"".join(out) if len(out) != 1 else out[0]
+    def abort(self, reason: Aborted) -> None:
+        """Give up on the reply: the connection is closed and the reader raises `reason`."""
+        if self._error is None and self._conn is not None:
+            self._fail(reason)
 
     def close(self) -> None:
         """Drop the connection (the upstream sees the client leave and stops generating)."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            conn.reply = None
             conn.close()
             self._client._returned(conn, reuse=False)
 
@@ -327,7 +388,8 @@ class Reply:
         """Give the connection back: to the pool if the body was read to its end, else closed."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            reuse = self._done and self._keep and not conn.buffer and conn.usable
+            conn.reply = None
+            reuse = self._complete and self._keep and self._error is None and not self._pieces and not conn.closed
             if not reuse:
                 conn.close()
             self._client._returned(conn, reuse=reuse)
@@ -373,6 +435,8 @@ class Client:
         """Send one request and read the reply's status line and headers."""
         if self._closed:
             raise CannotConnect("the client is closed")
+        if method == "HEAD":
+            raise ValueError("gymproxy's upstream client does not send HEAD requests")
         head = _head(method, url, headers, body)
         if self._slots is not None:
             await self._slots.acquire()
@@ -384,13 +448,14 @@ class Client:
             raise
         self.in_use += 1
         reply = Reply(self, conn, url)
+        conn.reply = reply
         try:
             assert conn.transport is not None
             if body:
                 conn.transport.writelines((head, body))
             else:
                 conn.transport.write(head)
-            await reply._read_head(method == "HEAD")
+            await reply._read_head()
         except BaseException:
             reply.close()
             raise
@@ -403,7 +468,7 @@ class Client:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()  # the most recently used: the warmest
-                if conn.usable and now - conn.idle_since < self.keepalive:
+                if conn.reusable(now, self.keepalive):
                     return conn
                 conn.close()
         loop = asyncio.get_running_loop()
@@ -443,7 +508,7 @@ class Client:
         now = time.monotonic()
         left = False
         for idle in self._idle.values():
-            keep = [c for c in idle if c.usable and now - c.idle_since < self.keepalive]
+            keep = [c for c in idle if not c.closed and now - c.idle_since < self.keepalive]
             for conn in idle:
                 if conn not in keep:
                     conn.close()
@@ -454,7 +519,8 @@ class Client:
 
     @property
     def idle(self) -> int:
-        return sum(len(idle) for idle in self._idle.values())
+        """Open connections waiting in the pool (one that closed while idle is dropped when next met)."""
+        return sum(not conn.closed for idle in self._idle.values() for conn in idle)
 
     async def close(self) -> None:
         self._closed = True
@@ -469,6 +535,8 @@ class Client:
 def _head(method: str, url: URL, headers: Mapping[str, str], body: bytes | None) -> bytes:
     """The request line and headers, refusing CR or LF in any name or value (header injection)."""
     host = url.raw_host or ""
+    if ":" in host:  # an IPv6 literal goes in brackets (RFC 9110 7.2)
+        host = f"[{host}]"
     if url.port is not None and not url.is_default_port():
         host = f"{host}:{url.port}"
     lines = [f"{method} {url.raw_path_qs or '/'} HTTP/1.1\r\nHost: {host}\r\n"]
