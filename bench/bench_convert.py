@@ -28,10 +28,11 @@ import msgspec
 import orjson
 
 from gymproxy import build_config
-from gymproxy.convert.boundary import Boundary
+from gymproxy.convert.boundary import Boundary, Rules
 from gymproxy.convert.reply import to_response
 from gymproxy.convert.request import to_chat_body
 from gymproxy.convert.stream import ChatReasoningFolder, ResponsesStream
+from gymproxy.proxy import rules
 from gymproxy.schemas import ENCODER
 from gymproxy.schemas.chat import CHUNK_DECODER, COMPLETION_DECODER, ChatRequestView
 from gymproxy.schemas.responses import REQUEST_DECODER
@@ -198,7 +199,7 @@ def stream_rows(timer: Timer) -> list[tuple[str, Stat]]:
 def run(args: argparse.Namespace) -> dict[str, list[tuple[str, Stat]]]:
     timer = Timer(args.min_time, args.repeat)
     config = build_config({"base_url": ["http://127.0.0.1:1/v1"], "uses_reasoning_parser": True}, environ={})
-    boundary = Boundary(config)
+    boundary = Boundary(rules(Rules, config))
     sections = {
         "Responses request -> chat body: responses_short.json (1 turn, 3 tools)": lambda: request_rows(
             timer, boundary, "responses_short.json"

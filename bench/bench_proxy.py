@@ -88,8 +88,9 @@ class Bodies:
 
 
 def build_bodies(scenario: Scenario, args: argparse.Namespace, config: Any) -> Bodies:
-    from gymproxy.convert.boundary import Boundary
+    from gymproxy.convert.boundary import Boundary, Rules
     from gymproxy.convert.request import to_chat_body
+    from gymproxy.proxy import rules
     from gymproxy.schemas import ENCODER
     from gymproxy.schemas.responses import REQUEST_DECODER
 
@@ -111,7 +112,7 @@ def build_bodies(scenario: Scenario, args: argparse.Namespace, config: Any) -> B
     if req.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
-    return Bodies(proxy, ENCODER.encode(Boundary(config).prepare(chat)))
+    return Bodies(proxy, ENCODER.encode(Boundary(rules(Rules, config)).prepare(chat)))
 
 
 def gymproxy_config(args: argparse.Namespace, upstreams: list[str]) -> Any:

@@ -26,8 +26,10 @@ from typing import Any
 
 from aiohttp import web
 
-import gymproxy.handlers as handlers
-import gymproxy.streaming as streaming
+import gymproxy.convert.reply as reply
+import gymproxy.convert.stream as stream
+import gymproxy.exchange as exchange
+import gymproxy.routes as routes
 from gymproxy import cli
 from gymproxy.convert.boundary import Boundary
 
@@ -94,25 +96,25 @@ def _counted(route: str, handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Wrap the stages of both routes (the route table binds handlers at startup, after this)."""
-    handlers.responses = _counted("responses", handlers.responses)
-    handlers.chat_completions = _counted("chat_completions", handlers.chat_completions)
-    handlers.read_body = _timed_async("read the request body", handlers.read_body)
-    handlers.decode_responses = _timed("decode the Responses request", handlers.decode_responses)
-    handlers.decode_chat = _timed("decode the chat request", handlers.decode_chat)
-    handlers.to_chat_body = _timed("to_chat_body", handlers.to_chat_body)
+    """Wrap the stages of both routes (the route table binds routes at startup, after this)."""
+    routes.responses = _counted("responses", routes.responses)
+    routes.chat_completions = _counted("chat_completions", routes.chat_completions)
+    routes.read_body = _timed_async("read the request body", routes.read_body)
+    routes.decode_responses = _timed("decode the Responses request", routes.decode_responses)
+    routes.decode_chat = _timed("decode the chat request", routes.decode_chat)
+    routes.to_chat_body = _timed("to_chat_body", routes.to_chat_body)
     Boundary.prepare = _timed("Boundary.prepare", Boundary.prepare)  # type: ignore[method-assign]
-    handlers.ENCODER = _Method("encode (chat body, Response)", handlers.ENCODER.encode)  # type: ignore[assignment]
-    handlers.COMPLETION_DECODER = _Method("decode the chat completion", handlers.COMPLETION_DECODER.decode)  # type: ignore[assignment]
-    handlers.to_response = _timed("to_response", handlers.to_response)
-    streaming._Payloads.feed = _timed("stream: SSE decode", streaming._Payloads.feed)  # type: ignore[method-assign]
-    streaming.CHUNK_DECODER = _Method("stream: decode a chunk", streaming.CHUNK_DECODER.decode)  # type: ignore[assignment]
-    rs = streaming.ResponsesStream
+    exchange.ENCODER = _Method("encode (chat body, Response)", exchange.ENCODER.encode)  # type: ignore[assignment]
+    reply.COMPLETION_DECODER = _Method("decode the chat completion", reply.COMPLETION_DECODER.decode)  # type: ignore[assignment]
+    exchange.to_response = _timed("to_response", exchange.to_response)
+    exchange._Payloads.feed = _timed("stream: SSE decode", exchange._Payloads.feed)  # type: ignore[method-assign]
+    stream.CHUNK_DECODER = _Method("stream: decode a chunk", stream.CHUNK_DECODER.decode)  # type: ignore[assignment]
+    rs = stream.ResponsesStream
     rs.start = _timed("stream: ResponsesStream.start", rs.start)  # type: ignore[method-assign]
     rs.feed = _timed("stream: ResponsesStream.feed", rs.feed)  # type: ignore[method-assign]
     rs.finish = _timed("stream: ResponsesStream.finish", rs.finish)  # type: ignore[method-assign]
-    streaming._CHUNK_CHECK = _Method("stream: check a chat chunk", streaming._CHUNK_CHECK.decode)  # type: ignore[assignment]
-    folder = streaming.ChatReasoningFolder
+    stream._CHUNK_CHECK = _Method("stream: check a chat chunk", stream._CHUNK_CHECK.decode)  # type: ignore[assignment]
+    folder = stream.ChatReasoningFolder
     folder.needed = _timed("stream: ChatReasoningFolder.needed", folder.needed)  # type: ignore[method-assign]
     folder.fold = _timed("stream: ChatReasoningFolder.fold", folder.fold)  # type: ignore[method-assign]
     web.StreamResponse.write = _timed_async("stream: write to the client", web.StreamResponse.write)  # type: ignore[method-assign]

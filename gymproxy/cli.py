@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import logging
 import multiprocessing
-import os
 import secrets
 import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-from aiohttp import web
 
-from . import __version__
+from . import __version__, server
 from .config import Config, ConfigError, load_config, upstream_specs
-from .plugin import PROXIES, admin_app, create_app
+from .fleet import shown
 
 log = logging.getLogger("gymproxy")
 
@@ -30,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "fake-vllm":
-        from .fake_vllm import run
+        from .testing.fake_vllm import run
 
         run(args.host, args.port, args.model)
         return
@@ -40,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
-        urls = [spec.url for spec in upstream_specs(config)]
+        urls = [shown(spec.url) for spec in upstream_specs(config)]
         print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         return
     fake_port = getattr(args, "_fake_port", None)
@@ -48,88 +44,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
     if workers == 1:
-        serve(config, fake_port=fake_port)
+        server.run(config, fake_port=fake_port)
     else:
         serve_workers(config, workers, fake_port=fake_port)
-
-
-def serve(config: Config, *, fake_port: int | None = None, reuse_port: bool = False) -> None:
-    """Run one gymproxy process until interrupted; with `fake_port`, the fake vLLM runs beside it."""
-    app = create_app(config)
-    if fake_port is not None:
-        app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
-    if config.access.admin_port is not None:
-        app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
-    _raise_open_files(config.limits.open_files)
-    _tune_gc()
-    log.info("gymproxy %s listening on http://%s:%d (pid %d)", __version__, config.host, config.port, os.getpid())
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        reuse_port=reuse_port or None,
-        access_log=logging.getLogger("aiohttp.access") if config.access_log else None,
-        handler_cancellation=True,
-        shutdown_timeout=config.shutdown_grace_s,
-        print=None,
-        loop=_new_loop(),
-    )
-
-
-# A young-generation collection runs once this many more container objects were made than freed.
-GC_THRESHOLD = 20_000
-
-
-def _tune_gc() -> None:
-    """Make the cycle collector run when cyclic garbage builds up, not every other request.
-
-    A 30-item rollout request allocates hundreds of containers that reference counting frees.
-    With Python's default threshold (700) the in-flight ones alone set off a young collection
-    every few requests, and now and then a full one over every module object: 25-30 µs of CPU
-    per request (timed with `gc.callbacks`). Startup objects are frozen (never garbage), and the
-    threshold is raised well above what the requests in flight hold at a time, so collections
-    run when garbage cycles pile up. Only `gymproxy serve` does this: an application that mounts
-    gymproxy keeps its own settings.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
-
-
-def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Any:
-    async def lifetime(_: web.Application) -> AsyncIterator[None]:
-        runner = web.AppRunner(admin_app(proxy), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, config.host, config.access.admin_port, reuse_port=reuse_port or None)
-        await site.start()
-        log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
-        yield
-        await runner.cleanup()
-
-    return lifetime
-
-
-def _raise_open_files(target: int) -> None:
-    """Thousands of concurrent rollouts need thousands of sockets: raise `ulimit -n` where allowed."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if soft < wanted:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-            soft = wanted
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit to %d: %s", wanted, exc)
-    if soft < target:
-        log.warning(
-            "open-file limit is %d (< %d): thousands of concurrent sessions may fail with 'Too many open files'; "
-            "raise it with `ulimit -n`",
-            soft,
-            target,
-        )
 
 
 def serve_workers(config: Config, workers: int, *, fake_port: int | None = None) -> None:
@@ -181,11 +98,11 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
 def _run_worker(config: Config) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    serve(config, reuse_port=True)
+    server.run(config, reuse_port=True)
 
 
 def _run_fake(port: int, model: str) -> None:
-    from .fake_vllm import run
+    from .testing.fake_vllm import run
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     run("127.0.0.1", port, model)
@@ -205,29 +122,10 @@ def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
 
 
-def _fake_vllm(port: int, model: str) -> Any:
-    async def lifetime(_: web.Application) -> AsyncIterator[None]:
-        from .fake_vllm import start
-
-        _, runner, _ = await start("127.0.0.1", port, model)
-        yield
-        await runner.cleanup()
-
-    return lifetime
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def _pair(text: str) -> tuple[str, str]:

@@ -89,6 +89,13 @@ class Limits(Settings, frozen=True, kw_only=True):
     when_full: Literal["queue", "reject"] = "queue"  # past the cap: wait for a slot, or answer 503
     max_header_size: Annotated[int, msgspec.Meta(ge=1024)] = 16384  # bytes per header line
     open_files: Annotated[int, msgspec.Meta(ge=0)] = 65536  # raise `ulimit -n` to this at startup
+    # A request body that stops arriving for this long is refused with a 408 (nginx's client_body_timeout).
+    client_body_timeout: Seconds = 60.0
+    # `gymproxy serve`: client connections past this get a 503 at once (None: half the open-file limit,
+    # so upstream connections and health checks always have file descriptors left).
+    max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
+    backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
 
 
 class Config(Settings, frozen=True, kw_only=True):
@@ -124,6 +131,8 @@ class Config(Settings, frozen=True, kw_only=True):
     use_completions_api: bool = False
     render_chat_template: bool = False
     tokenizer: str | None = None
+    # Let the completions backend's tokenizer run code it ships (Hugging Face `trust_remote_code`).
+    trust_remote_code: bool = False
     # NeMo Gym server fields: `host`/`port` are where gymproxy listens, `name` names the pin cookie.
     name: str = ""
     host: str = "127.0.0.1"

@@ -1,13 +1,20 @@
 """gymproxy's errors, each rendered as an OpenAI error body `{"error": {message, type, param, code}}`.
 
 GymproxyError                   500 server_error
+├── AnswerLocally               (no error: the exchange answers with an empty reply, its finish reason)
+│   └── ContextOverflow         "length": vLLM's context-length 400
 ├── BadRequest                  400 invalid_request_error   (the client's request is wrong)
-│   └── PayloadTooLarge         413 invalid_request_error
+│   ├── PayloadTooLarge         413 invalid_request_error
+│   └── BodyTimeout             408 invalid_request_error   (the body stopped arriving)
 ├── Unauthorized                401 invalid_request_error   (no valid inbound API key)
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
+│   ├── NotConnected            502 upstream_error          (the connection never opened: safe to retry)
 │   └── UpstreamTimeout         504 upstream_error
-└── NoUpstream                  503 upstream_error          (every upstream is marked down)
+└── Unavailable                 503 upstream_error
+    ├── NoUpstream              (every upstream is down)
+    ├── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
+    └── ShuttingDown            (gymproxy is draining; retry elsewhere)
 
 Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
 """
@@ -44,6 +51,25 @@ class GymproxyError(Exception):
         )
 
 
+class AnswerLocally(GymproxyError):
+    """Not a failure: the request is answered without (more of) vLLM, with an empty reply.
+
+    The exchange catches it and answers in the client's format (a chat completion or a Response,
+    whole or streamed) with `finish_reason`; it never reaches `render`.
+    """
+
+    def __init__(self, finish_reason: str, message: str = "answered locally") -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
+class ContextOverflow(AnswerLocally):
+    """vLLM refused the prompt as longer than the model's context: an empty `length` answer."""
+
+    def __init__(self) -> None:
+        super().__init__("length", "the prompt is over the model's context length")
+
+
 class BadRequest(GymproxyError):
     """The request cannot be served as sent; `param` names the offending field."""
 
@@ -57,6 +83,13 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+class BodyTimeout(BadRequest):
+    """The client stopped sending its request body (`limits.client_body_timeout`)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class Unauthorized(GymproxyError):
     """The request carries no valid `Authorization: Bearer <key>` (401)."""
 
@@ -66,13 +99,28 @@ class Unauthorized(GymproxyError):
 
 
 class UpstreamStatus(GymproxyError):
-    """The upstream answered with an HTTP error: keep its status and carry its message."""
+    """The upstream answered with an HTTP error: keep its status and carry its message.
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None) -> None:
+    With `raw`, the upstream's own body is sent as it is (a propagated context overflow).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        raw: bytes | None = None,
+    ) -> None:
         super().__init__(message, param=param)
         self.status = status
         self.type = type or ("invalid_request_error" if status < 500 else "upstream_error")
         self.code = status
+        self.raw = raw
+
+    def body(self) -> bytes:
+        return self.raw if self.raw is not None else super().body()
 
 
 class UpstreamError(GymproxyError):
@@ -82,17 +130,33 @@ class UpstreamError(GymproxyError):
     type = "upstream_error"
 
 
+class NotConnected(UpstreamError):
+    """The connection to the upstream could not be opened: the request was never sent."""
+
+
 class UpstreamTimeout(UpstreamError):
     """The upstream did not answer in time (504)."""
 
     status = 504
 
 
-class NoUpstream(GymproxyError):
-    """No healthy upstream is left to serve the request (503)."""
+class Unavailable(GymproxyError):
+    """gymproxy cannot serve the request now; a retry (later, or elsewhere) may succeed (503)."""
 
     status = 503
     type = "upstream_error"
+
+
+class NoUpstream(Unavailable):
+    """No healthy upstream is left to serve the request."""
+
+
+class Saturated(Unavailable):
+    """The upstream is at its configured concurrency cap and `when_full` is `reject`."""
+
+
+class ShuttingDown(Unavailable):
+    """gymproxy is shutting down and ended this request at the end of its grace period."""
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -117,10 +181,21 @@ def from_validation(exc: msgspec.DecodeError, prefix: str = "") -> BadRequest:
     return BadRequest(f"{text} at `{path}`" if path and not unknown else text, param=path or None)
 
 
+def describe(exc: BaseException) -> str:
+    """An exception for a message: gymproxy's own by its message, others by type and text."""
+    if isinstance(exc, GymproxyError):
+        return exc.message
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def render(exc: Exception, request: web.Request) -> web.Response:
     """Any error a handler raised, as an OpenAI error response; aiohttp's own HTTP exceptions go on."""
     if isinstance(exc, GymproxyError):
-        return error_response(exc)
+        response = error_response(exc)
+        if isinstance(exc, BodyTimeout):
+            response.force_close()  # the rest of the body may still come: the connection is done
+        return response
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
     if isinstance(exc, web.HTTPException):

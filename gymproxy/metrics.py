@@ -85,5 +85,11 @@ def _counter(name: str, help_text: str, labels: tuple[str, str], values: dict[tu
     return lines
 
 
+def label(**labels: str) -> str:
+    """A Prometheus label set, `{name="value",...}`, with values escaped."""
+    inner = ",".join(f'{name}="{_escape(value)}"' for name, value in labels.items())
+    return f"{{{inner}}}"
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -16,6 +16,8 @@ from typing import Final
 
 import orjson
 
+from .errors import UpstreamStatus
+
 MAX_TEXT_CHARS: Final = 500
 
 # Each alternative is one family of real vLLM wordings (L = max_model_len, N = prompt tokens,
@@ -70,7 +72,7 @@ def is_context_overflow(status: int, body: bytes) -> bool:
     """
     if status != 400:
         return False
-    message, param = _error_fields(body)
+    message, param, _ = _error_fields(body)
     if message is None:
         message = _text(body)
     if _TOO_MANY_OUTPUT_TOKENS.search(message):
@@ -84,29 +86,40 @@ def is_context_overflow(status: int, body: bytes) -> bool:
 
 def upstream_message(body: bytes) -> str:
     """The error message from either vLLM envelope, else the body text cut to 500 characters."""
-    message, _ = _error_fields(body)
+    message, _, _ = _error_fields(body)
     return _text(body) if message is None else message
 
 
-def _error_fields(body: bytes) -> tuple[str | None, object]:
-    """(message, param) from `{"error": {...}}`, `{"error": "..."}`, a flat envelope or a JSON string.
+def status_error(status: int, body: bytes) -> UpstreamStatus:
+    """An upstream error reply as the error gymproxy raises: its status, message, param and type."""
+    message, param, kind = _error_fields(body)
+    return UpstreamStatus(
+        status,
+        (_text(body) if message is None else message) or f"the upstream answered HTTP {status}",
+        param=param if isinstance(param, str) else None,
+        type=kind if isinstance(kind, str) else None,
+    )
+
+
+def _error_fields(body: bytes) -> tuple[str | None, object, object]:
+    """(message, param, type) from `{"error": {...}}`, `{"error": "..."}`, a flat envelope or a JSON string.
 
     The message is None when the body is not JSON or holds no non-empty string message.
     """
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None, None
+        return None, None, None
     if isinstance(payload, str):
-        return payload or None, None
+        return payload or None, None, None
     if not isinstance(payload, dict):
-        return None, None
+        return None, None, None
     error = payload.get("error")
     if isinstance(error, str):
-        return error or None, None
+        return error or None, None, None
     fields = error if isinstance(error, dict) else payload
     message = fields.get("message")
-    return (message if isinstance(message, str) and message else None), fields.get("param")
+    return (message if isinstance(message, str) and message else None), fields.get("param"), fields.get("type")
 
 
 def _text(body: bytes) -> str:

@@ -19,12 +19,9 @@ import math
 import random
 import struct
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Generic, Protocol, TypeVar
 
 from .errors import NoUpstream
-
-if TYPE_CHECKING:
-    from .upstream import Upstream
 
 log = logging.getLogger("gymproxy")
 
@@ -89,15 +86,55 @@ def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-class Pin(NamedTuple):
-    upstream: Upstream
-    cookie: str | None  # a new cookie value to set, or None when the client's pin stands
+class Candidate(Protocol):
+    """What pinning reads of an upstream."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def inflight(self) -> int: ...
 
 
-class Pinner:
+U = TypeVar("U", bound=Candidate)
+
+
+class Pin(Generic[U]):
+    """Where a request goes, and the new cookie value to set (None when the client's pin stands)."""
+
+    __slots__ = ("upstream", "cookie")
+
+    def __init__(self, upstream: U, cookie: str | None) -> None:
+        self.upstream = upstream
+        self.cookie = cookie
+
+
+def read_cookie(header: str | None, name: str) -> str | None:
+    """Our cookie's value from a `Cookie` header, without parsing every other cookie."""
+    if not header or name not in header:
+        return None
+    for part in header.split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key == name:
+            return value.strip().strip('"')
+    return None
+
+
+def cookie_header(name: str, value: str, max_age: float) -> str:
+    """The `Set-Cookie` value for a pin."""
+    # Built by hand: the value is base64url and digits, and http.cookies costs ~10 µs a response.
+    return f"{name}={value}; Max-Age={int(max_age)}; Path=/; HttpOnly; SameSite=Lax"
+
+
+class Pinner(Generic[U]):
     """Chooses the upstream for each request; see the module docstring for the order of keys."""
 
-    def __init__(self, upstreams: list[Upstream], signer: Signer, *, placement: str) -> None:
+    def __init__(self, upstreams: list[U], signer: Signer, *, placement: str) -> None:
         self.upstreams = upstreams
         self.by_name = {u.name: u for u in upstreams}
         self.signer = signer
@@ -107,7 +144,7 @@ class Pinner:
         self.repinned = 0
         self._warned = False
 
-    def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[Upstream, ...] = ()) -> Pin:
+    def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[U, ...] = ()) -> Pin[U]:
         """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin.
 
         Health marks are guesses: when none is marked healthy, every upstream not yet tried is a
@@ -130,14 +167,14 @@ class Pinner:
         if not candidates:
             candidates = [u for u in self.upstreams if u not in exclude]
         if not candidates:
-            raise NoUpstream(f"no upstream is reachable: {', '.join(u.base_url for u in self.upstreams)} all failed")
+            raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
         if session_key:
             upstream = max(candidates, key=lambda u: _score(session_key, u))
         else:
             upstream = self._place(candidates)
         return Pin(upstream, self.signer.sign(upstream.name))
 
-    def _place(self, healthy: list[Upstream]) -> Upstream:
+    def _place(self, healthy: list[U]) -> U:
         if len(healthy) == 1:
             return healthy[0]
         if self.placement == "round_robin":
@@ -147,7 +184,7 @@ class Pinner:
         return random.choice([u for u in healthy if u.inflight == least])
 
 
-def _score(key: str, upstream: Upstream) -> float:
+def _score(key: str, upstream: Candidate) -> float:
     """Weighted rendezvous hashing: the highest score wins, and each upstream's share follows its weight."""
     # surrogateescape: a header's undecodable bytes still hash (to a stable upstream), never raise.
     digest = hashlib.sha256(f"{upstream.name}\x00{key}".encode("utf-8", "surrogateescape")).digest()

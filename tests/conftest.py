@@ -1,4 +1,8 @@
-"""Shared fixtures: a fake vLLM on a real port, and gymproxy on another port in front of it."""
+"""Shared fixtures: a fake vLLM on a real port, and gymproxy on another port in front of it.
+
+Every server a test starts runs as `gymproxy serve` runs it: on uvloop when it is installed, and
+with `handler_cancellation=True` (aiohttp's test server sets it; `test_production_mode.py` checks).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,21 @@ import openai
 import pytest
 
 from gymproxy import build_config, create_app
-from gymproxy.fake_vllm import FakeVLLM
+from gymproxy.server import new_loop
+from gymproxy.testing.fake_vllm import FakeVLLM
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """The event loop `gymproxy serve` uses: uvloop's when installed, else asyncio's."""
+    return {"uvloop" if _has_uvloop() else "asyncio": new_loop}
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture

@@ -251,7 +251,7 @@ async def start_proxy(aiohttp_server: Any, base_url: str | list[str], **config: 
 
 def acquired(proxy: Any) -> int:
     """Upstream connections the proxy's client has lent to requests in flight."""
-    return int(proxy.pool.client.in_use)
+    return int(proxy.fleet.client.in_use)
 
 
 async def eventually(predicate: Callable[[], bool], seconds: float = 5.0, step: float = 0.02) -> bool:
@@ -529,10 +529,16 @@ class RawUpstream:
     (`good` when the queue is empty). `idle_close` closes connections idle that long, as uvicorn does."""
 
     def __init__(
-        self, *, idle_close: float | None = None, default: Behaviour = good, health_delay: float = 0.0
+        self,
+        *,
+        idle_close: float | None = None,
+        default: Behaviour = good,
+        health_delay: float = 0.0,
+        health: Behaviour = meta,
     ) -> None:
         self.idle_close = idle_close
         self.health_delay = health_delay  # seconds /health takes to answer (a loaded server)
+        self.health = health  # how /health is answered (can be changed while it runs)
         self.default = default
         self.queue: collections.deque[Behaviour] = collections.deque()
         self.requests: list[RawRequest] = []
@@ -584,9 +590,10 @@ class RawUpstream:
                     break
                 self.requests.append(req)
                 if "/chat/completions" not in req.path:  # the startup probe, health checks
-                    if req.path.endswith("/health") and self.health_delay:
-                        await asyncio.sleep(self.health_delay)
                     behaviour: Behaviour = meta
+                    if req.path.endswith("/health"):
+                        await asyncio.sleep(self.health_delay)
+                        behaviour = self.health
                 else:
                     behaviour = self.queue.popleft() if self.queue else self.default
                 keep = await behaviour(conn, req)

@@ -31,8 +31,8 @@ import orjson
 from aiohttp import web
 
 import gymproxy
-from gymproxy.fake_vllm import FakeVLLM, Script
 from gymproxy.pinning import Signer
+from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
 from .faults import CHAT, RESPONSES, acquired, sse_data
 
@@ -338,7 +338,7 @@ async def run(
                 await asyncio.sleep(0.05)
             report.disconnects = sum(len(f.disconnects) for f in load.fakes) - lost_before
             report.acquired_after = acquired(load.proxy)
-            report.inflight_after = sum(u.inflight for u in load.proxy.pool.upstreams)
+            report.inflight_after = sum(u.inflight for u in load.proxy.fleet.upstreams)
             report.seconds["abandon"] = time.monotonic() - started
 
         # Which upstream served each session: every prompt names its session.

@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gymproxy.config import build_config
-from gymproxy.convert.boundary import Boundary, sequential_reasoning_blocked
+from gymproxy.convert.boundary import Boundary, Rules, sequential_reasoning_blocked
 from gymproxy.convert.request import to_chat_body
 from gymproxy.errors import BadRequest
 from gymproxy.schemas.responses import REQUEST_DECODER
@@ -21,7 +20,7 @@ USER = {"role": "user", "content": "hi"}
 
 
 def boundary(**config: Any) -> Boundary:
-    return Boundary(build_config({"base_url": "http://vllm:8000/v1", **config}, environ={}))
+    return Boundary(Rules(**config))
 
 
 def prepare(body: dict[str, Any], **config: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import openai
 import orjson
 import pytest
 
-from gymproxy.fake_vllm import Script, pieces, token_id
+from gymproxy.testing.fake_vllm import Script, pieces, token_id
 
 from .test_completions_convert import TEMPLATE, save_tokenizer
 from .test_handlers import OVERFLOW_032

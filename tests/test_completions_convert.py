@@ -11,8 +11,8 @@ import pytest
 
 from gymproxy.config import Config, ConfigError, build_config
 from gymproxy.convert.completions import (
-    ChatTemplate,
     CompletionChunks,
+    Rules,
     chat_logprobs,
     check_chat_body,
     render_raw,
@@ -20,15 +20,17 @@ from gymproxy.convert.completions import (
     to_chat_completion,
     to_completions_body,
     token_fields,
-    tokenize_body,
 )
+from gymproxy.convert.tokens import tokenize_body
 from gymproxy.errors import BadRequest, UpstreamError
+from gymproxy.proxy import rules
+from gymproxy.templates import ChatTemplate
 
 
-def cfg(**fields: Any) -> Config:
-    # Built directly: these functions read fields only, and _check is tested on its own below.
+def cfg(**fields: Any) -> Rules:
+    """The backend's rules, as `Proxy` makes them from a config with these keys."""
     fields = {"base_url": ["http://vllm:8000/v1"], "model": "base-model", "use_completions_api": True, **fields}
-    return Config(**fields)
+    return rules(Rules, Config(**fields))
 
 
 def user(content: Any) -> dict[str, Any]:
@@ -138,43 +140,45 @@ def test_check_strips_strict_from_function_tools_only() -> None:
         "messages": [user("u")],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "strict": True}}, custom],
     }
-    assert check_chat_body(body, cfg(render_chat_template=True)) is False
+    assert check_chat_body(body, rendered=True) is False
     assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {}}}, custom]
 
 
 @pytest.mark.parametrize(("sent", "dropped"), [({"enable_thinking": False}, True), ({}, False), (None, False)])
 def test_check_drops_request_chat_template_kwargs(sent: Any, dropped: bool) -> None:
     body: dict[str, Any] = {"messages": [user("u")], "chat_template_kwargs": sent}
-    assert check_chat_body(body, cfg(forward_request_chat_template_kwargs=True)) is dropped
+    assert check_chat_body(body, rendered=False) is dropped
     assert "chat_template_kwargs" not in body
 
 
 def test_check_without_chat_template_kwargs_reports_nothing_dropped() -> None:
-    assert check_chat_body({"messages": [user("u")]}, cfg()) is False
+    assert check_chat_body({"messages": [user("u")]}, rendered=False) is False
 
 
 def test_check_refuses_tools_in_raw_mode() -> None:
     body = {"messages": [user("u")], "tools": [{"type": "function", "function": {"name": "f"}}]}
-    err = bad_request(check_chat_body, body, cfg())
+    err = bad_request(check_chat_body, body, rendered=False)
     assert err.param == "tools"
     assert "render_chat_template" in err.message
 
 
 def test_check_accepts_an_empty_tool_list_in_raw_mode() -> None:
-    assert check_chat_body({"messages": [user("u")], "tools": []}, cfg()) is False
+    assert check_chat_body({"messages": [user("u")], "tools": []}, rendered=False) is False
 
 
 @pytest.mark.parametrize("render", [False, True])
 @pytest.mark.parametrize("key", ["audio_data", "audio_path", "audio_paths"])
 def test_check_refuses_audio_metadata_in_both_modes(key: str, render: bool) -> None:
     body = {"messages": [user("u")], "metadata": {key: "data:audio/wav;base64,AAAA"}}
-    err = bad_request(check_chat_body, body, cfg(render_chat_template=render))
+    err = bad_request(check_chat_body, body, rendered=render)
     assert err.param == f"metadata.{key}"
     assert "text-only" in err.message
 
 
 def test_check_ignores_empty_audio_metadata() -> None:
-    assert check_chat_body({"messages": [user("u")], "metadata": {"audio_path": "", "task": "x"}}, cfg()) is False
+    assert (
+        check_chat_body({"messages": [user("u")], "metadata": {"audio_path": "", "task": "x"}}, rendered=False) is False
+    )
 
 
 # --- chat_template_kwargs: config < metadata ----------------------------------------------------
@@ -183,24 +187,24 @@ def test_check_ignores_empty_audio_metadata() -> None:
 def test_template_kwargs_config_overlaid_by_metadata() -> None:
     config = cfg(chat_template_kwargs={"enable_thinking": True, "lang": "en"})
     meta = {"chat_template_kwargs": '{"enable_thinking": false, "extra": 1}'}
-    assert template_kwargs(config, meta) == {"enable_thinking": False, "lang": "en", "extra": 1}
+    assert template_kwargs(config.chat_template_kwargs, meta) == {"enable_thinking": False, "lang": "en", "extra": 1}
     assert config.chat_template_kwargs == {"enable_thinking": True, "lang": "en"}  # not mutated
 
 
 @pytest.mark.parametrize("metadata", [None, {}, {"chat_template_kwargs": ""}, {"other": "x"}])
 def test_template_kwargs_without_metadata_is_the_config(metadata: Any) -> None:
-    assert template_kwargs(cfg(chat_template_kwargs={"a": 1}), metadata) == {"a": 1}
-    assert template_kwargs(cfg(), metadata) == {}
+    assert template_kwargs({"a": 1}, metadata) == {"a": 1}
+    assert template_kwargs(None, metadata) == {}
 
 
 @pytest.mark.parametrize("raw", ["{not json", "[1, 2]", '"text"', "3"])
 def test_template_kwargs_refuses_what_is_not_a_json_object(raw: str) -> None:
-    err = bad_request(template_kwargs, cfg(), {"chat_template_kwargs": raw})
+    err = bad_request(template_kwargs, None, {"chat_template_kwargs": raw})
     assert err.param == "metadata.chat_template_kwargs"
 
 
 def test_template_kwargs_refuse_a_request_template() -> None:
-    err = bad_request(template_kwargs, cfg(), {"chat_template_kwargs": '{"chat_template": "{{ 1 }}"}'})
+    err = bad_request(template_kwargs, None, {"chat_template_kwargs": '{"chat_template": "{{ 1 }}"}'})
     assert err.param == "metadata.chat_template_kwargs"
 
 
@@ -223,7 +227,7 @@ def test_body_keeps_the_client_model_when_none_is_configured() -> None:
     config = cfg(model=None)
     body = to_completions_body({"model": "client-model"}, config, "P")
     assert body == {"model": "client-model", "prompt": "P"}
-    assert tokenize_body(config, "P", body) == {"model": "client-model", "prompt": "P"}
+    assert tokenize_body(body) == {"model": "client-model", "prompt": "P"}
 
 
 def test_body_passes_the_listed_fields_under_the_same_name() -> None:
@@ -350,10 +354,9 @@ def test_body_non_streaming_never_streams(chat: dict[str, Any]) -> None:
 
 
 def test_tokenize_body() -> None:
-    config = cfg()
-    assert tokenize_body(config, "P", {"model": "base-model", "prompt": "P"}) == {"model": "base-model", "prompt": "P"}
+    assert tokenize_body({"model": "base-model", "prompt": "P"}) == {"model": "base-model", "prompt": "P"}
     completion_body = to_completions_body({}, cfg(extra_body={"add_special_tokens": False}), "P")
-    assert tokenize_body(config, "P", completion_body) == {
+    assert tokenize_body(completion_body) == {
         "model": "base-model",
         "prompt": "P",
         "add_special_tokens": False,
@@ -387,7 +390,7 @@ def vllm_reply(**choice: Any) -> dict[str, Any]:
 
 
 def test_reply_wraps_choice_0_as_a_chat_completion() -> None:
-    chat = to_chat_completion(vllm_reply(text="<think>r</think>Hi"), cfg(), training=False)
+    chat = to_chat_completion(vllm_reply(text="<think>r</think>Hi"), "base-model", training=False)
     assert chat == {
         "id": "cmpl-abc",
         "object": "chat.completion",
@@ -407,7 +410,7 @@ def test_reply_wraps_choice_0_as_a_chat_completion() -> None:
 
 def test_reply_defaults() -> None:
     before = int(time.time())
-    chat = to_chat_completion({"choices": [{"text": None}]}, cfg(), training=False)
+    chat = to_chat_completion({"choices": [{"text": None}]}, "base-model", training=False)
     assert chat["id"].startswith("chatcmpl-") and len(chat["id"]) == len("chatcmpl-") + 32
     assert before <= chat["created"] <= time.time()
     assert chat["model"] == "base-model"
@@ -420,7 +423,7 @@ def test_reply_defaults() -> None:
 def test_reply_keeps_finish_reason_and_index_and_uses_choice_0_only() -> None:
     reply = vllm_reply(text="a", finish_reason="length", index=0)
     reply["choices"].append({"index": 1, "text": "b", "finish_reason": "stop"})
-    chat = to_chat_completion(reply, cfg(), training=False)
+    chat = to_chat_completion(reply, "base-model", training=False)
     assert len(chat["choices"]) == 1
     assert chat["choices"][0]["finish_reason"] == "length"
     assert chat["choices"][0]["message"]["content"] == "a"
@@ -429,13 +432,13 @@ def test_reply_keeps_finish_reason_and_index_and_uses_choice_0_only() -> None:
 @pytest.mark.parametrize("reply", [{}, {"choices": []}, {"choices": None}, {"choices": ["x"]}, []])
 def test_reply_without_choices_is_an_upstream_error(reply: Any) -> None:
     with pytest.raises(UpstreamError) as info:
-        to_chat_completion(reply, cfg(), training=False)
+        to_chat_completion(reply, "base-model", training=False)
     assert info.value.status == 502
 
 
 def test_reply_logprobs_outside_training_become_chat_logprobs() -> None:
     reply = vllm_reply(logprobs=text_logprobs([5, 6], [-0.5, -1.0], as_ids=False))
-    choice = to_chat_completion(reply, cfg(), training=False)["choices"][0]
+    choice = to_chat_completion(reply, "base-model", training=False)["choices"][0]
     assert choice["logprobs"] == {
         "content": [
             {
@@ -457,7 +460,7 @@ def test_reply_logprobs_outside_training_become_chat_logprobs() -> None:
 
 def test_reply_training_inline_ids() -> None:
     reply = vllm_reply(token_ids=[11, 12], prompt_token_ids=[1, 2, 3], logprobs=text_logprobs([11, 12], [-0.25, -2]))
-    choice = to_chat_completion(reply, cfg(return_token_id_information=True), training=True)["choices"][0]
+    choice = to_chat_completion(reply, "base-model", training=True)["choices"][0]
     assert choice["message"] == {
         "role": "assistant",
         "content": "Hello",
@@ -472,28 +475,28 @@ def test_reply_training_inline_ids() -> None:
 
 def test_reply_training_ids_from_logprob_tokens() -> None:
     reply = vllm_reply(prompt_token_ids=[1], logprobs=text_logprobs([42, 7], [-1.5, -0.5]))
-    message = to_chat_completion(reply, cfg(), training=True)["choices"][0]["message"]
+    message = to_chat_completion(reply, "base-model", training=True)["choices"][0]["message"]
     assert message["generation_token_ids"] == [42, 7]
     assert message["generation_log_probs"] == [-1.5, -0.5]
 
 
 def test_reply_training_inline_ids_win_over_logprob_tokens() -> None:
     logprobs = {"tokens": ["hello", "world"], "token_logprobs": [-1.0, -2.0]}
-    message = to_chat_completion(vllm_reply(token_ids=[3, 4], logprobs=logprobs), cfg(), training=True)["choices"][0][
-        "message"
-    ]
+    message = to_chat_completion(vllm_reply(token_ids=[3, 4], logprobs=logprobs), "base-model", training=True)[
+        "choices"
+    ][0]["message"]
     assert message["generation_token_ids"] == [3, 4]
 
 
 def test_reply_training_without_prompt_ids_leaves_them_to_tokenize() -> None:
     reply = vllm_reply(logprobs=text_logprobs([42], [-1.0]))
-    message = to_chat_completion(reply, cfg(), training=True)["choices"][0]["message"]
+    message = to_chat_completion(reply, "base-model", training=True)["choices"][0]["message"]
     assert message["prompt_token_ids"] is None
 
 
 def test_reply_training_zero_tokens() -> None:
     reply = vllm_reply(text="", prompt_token_ids=[1], token_ids=[], logprobs=text_logprobs([], []))
-    message = to_chat_completion(reply, cfg(), training=True)["choices"][0]["message"]
+    message = to_chat_completion(reply, "base-model", training=True)["choices"][0]["message"]
     assert (message["generation_token_ids"], message["generation_log_probs"]) == ([], [])
 
 
@@ -518,7 +521,7 @@ def test_reply_training_zero_tokens() -> None:
 )
 def test_reply_training_contract_breaks_are_upstream_errors(choice: dict[str, Any], match: str) -> None:
     with pytest.raises(UpstreamError, match=match):
-        to_chat_completion(vllm_reply(**choice), cfg(), training=True)
+        to_chat_completion(vllm_reply(**choice), "base-model", training=True)
 
 
 def test_token_fields_accept_plain_integer_strings() -> None:
@@ -567,7 +570,7 @@ STREAM = [
 
 
 def test_stream_first_chunk_carries_role_prompt_ids_tokens_and_logprobs() -> None:
-    out = CompletionChunks(cfg()).feed(STREAM[0])
+    out = CompletionChunks("base-model").feed(STREAM[0])
     assert out == {
         "id": "cmpl-s1",
         "object": "chat.completion.chunk",
@@ -597,7 +600,7 @@ def test_stream_first_chunk_carries_role_prompt_ids_tokens_and_logprobs() -> Non
 
 
 def test_stream_later_chunks_finish_and_usage() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     out = [chunks.feed(c) for c in STREAM]
     assert out[1]["choices"][0]["delta"] == {"content": "lo"}
     assert "prompt_token_ids" not in out[1]
@@ -612,13 +615,13 @@ def test_stream_later_chunks_finish_and_usage() -> None:
 
 
 def test_stream_text_adds_up_to_the_non_streaming_content() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     text = "".join(c["delta"].get("content", "") for o in map(chunks.feed, STREAM) for c in o["choices"])
     assert text == "Hello"
 
 
 def test_stream_token_fields_match_the_non_streaming_rules() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     for chunk in STREAM:
         chunks.feed(chunk)
     assert chunks.token_fields() == {
@@ -629,7 +632,7 @@ def test_stream_token_fields_match_the_non_streaming_rules() -> None:
 
 
 def test_stream_token_fields_from_tokens_without_prompt_ids() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     for ids in ([10], [11]):
         choice = {"index": 0, "text": "x", "logprobs": text_logprobs(ids, [-1.0]), "finish_reason": None}
         chunks.feed(text_chunk(choice))
@@ -641,14 +644,14 @@ def test_stream_token_fields_from_tokens_without_prompt_ids() -> None:
 
 
 def test_stream_token_fields_without_logprobs_is_an_upstream_error() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     chunks.feed(text_chunk({"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop"}))
     with pytest.raises(UpstreamError, match="Cannot extract token IDs or logprobs"):
         chunks.token_fields()
 
 
 def test_stream_each_choice_gets_the_role_on_its_first_chunk() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     first = chunks.feed(text_chunk({"index": 0, "text": "a"}, {"index": 1, "text": "b"}))
     second = chunks.feed(text_chunk({"index": 1, "text": "c"}, {"index": 0, "text": "d"}))
     assert [c["delta"] for c in first["choices"]] == [
@@ -661,12 +664,12 @@ def test_stream_each_choice_gets_the_role_on_its_first_chunk() -> None:
 
 
 def test_stream_first_chunk_with_empty_text_still_opens_the_message() -> None:
-    out = CompletionChunks(cfg()).feed(text_chunk({"index": 0, "text": "", "finish_reason": None}))
+    out = CompletionChunks("base-model").feed(text_chunk({"index": 0, "text": "", "finish_reason": None}))
     assert out["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 def test_stream_defaults_when_the_upstream_omits_envelope_fields() -> None:
-    chunks = CompletionChunks(cfg())
+    chunks = CompletionChunks("base-model")
     first = chunks.feed({"choices": [{"index": 0, "text": "a"}]})
     second = chunks.feed({"choices": [{"index": 0, "text": "b"}]})
     assert first["id"] == second["id"] and first["id"].startswith("chatcmpl-")
@@ -677,7 +680,7 @@ def test_stream_defaults_when_the_upstream_omits_envelope_fields() -> None:
 
 def test_stream_in_band_error_passes_through() -> None:
     error = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
-    assert CompletionChunks(cfg()).feed(error) is error
+    assert CompletionChunks("base-model").feed(error) is error
 
 
 @pytest.mark.parametrize(
@@ -691,7 +694,7 @@ def test_stream_in_band_error_passes_through() -> None:
 )
 def test_stream_malformed_chunks_are_upstream_errors(chunk: dict[str, Any]) -> None:
     with pytest.raises(UpstreamError):
-        CompletionChunks(cfg()).feed(chunk)
+        CompletionChunks("base-model").feed(chunk)
 
 
 # --- chat-template mode -----------------------------------------------------------------------
@@ -850,9 +853,11 @@ def test_template_renders_multi_turn_tools_and_think(template: ChatTemplate) -> 
 
 def test_template_kwargs_reach_the_template(template: ChatTemplate) -> None:
     config = cfg(render_chat_template=True, chat_template_kwargs={"enable_thinking": False})
-    kwargs = template_kwargs(config, {"chat_template_kwargs": '{"enable_thinking": true}'})
+    kwargs = template_kwargs(config.chat_template_kwargs, {"chat_template_kwargs": '{"enable_thinking": true}'})
     assert template.render([user("hi")], None, kwargs) == "<|user|>hi\n<|assistant|><think>"
-    assert template.render([user("hi")], None, template_kwargs(config, None)) == "<|user|>hi\n<|assistant|>"
+    assert template.render([user("hi")], None, template_kwargs(config.chat_template_kwargs, None)) == (
+        "<|user|>hi\n<|assistant|>"
+    )
 
 
 def test_template_raise_exception_is_a_bad_request(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Tests for gymproxy.fake_vllm: over real sockets, it must speak vLLM 0.32's wire format."""
+"""Tests for gymproxy.testing.fake_vllm: over real sockets, it must speak vLLM 0.32's wire format."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gymproxy.fake_vllm import FakeVLLM, Script, start, token_id
+from gymproxy.testing.fake_vllm import FakeVLLM, Script, start, token_id
 
 USER = [{"role": "user", "content": "hello there"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -399,7 +399,7 @@ async def test_start_and_main_serve_it() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     argv = ["--port", str(port), "--model", "cli-model", "--max-model-len", "77"]
-    proc = subprocess.Popen([sys.executable, "-m", "gymproxy.fake_vllm", *argv], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "gymproxy.testing.fake_vllm", *argv], stdout=subprocess.DEVNULL)
     try:
         async with aiohttp.ClientSession() as session:
             for _ in range(100):

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from gymproxy.fake_vllm import FakeVLLM, Script
+from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
 from .faults import (
     ANSWER,
@@ -64,7 +64,7 @@ async def still_serves(url: str, path: str, stream: bool, **kwargs) -> None:
 
 async def no_connection_held(proxy) -> None:
     assert await eventually(lambda: acquired(proxy) == 0), "an upstream connection is still held"
-    assert all(u.inflight == 0 for u in proxy.pool.upstreams)
+    assert all(u.inflight == 0 for u in proxy.fleet.upstreams)
 
 
 # --- connection refused --------------------------------------------------------------------------
@@ -82,7 +82,7 @@ async def test_connection_refused_is_502_naming_the_url(aiohttp_server, path, st
         assert f"{base}/chat/completions" in reply.json()["error"]["message"]
     fake = FakeVLLM()
     await aiohttp_server(fake.app, port=port)
-    assert await eventually(lambda: proxy.pool.upstreams[0].healthy, 5.0), "the health check never saw it back"
+    assert await eventually(lambda: proxy.fleet.upstreams[0].healthy, 5.0), "the health check never saw it back"
     await still_serves(url, path, stream)
     assert [r.path for r in fake.requests if r.path != "/v1/models"] == [CHAT]
     await no_connection_held(proxy)
@@ -414,7 +414,7 @@ async def test_upstream_restart_with_requests_in_flight(aiohttp_server):
 
     after = FakeVLLM()
     await aiohttp_server(after.app, port=port)
-    assert await eventually(lambda: proxy.pool.upstreams[0].healthy, 5.0)
+    assert await eventually(lambda: proxy.fleet.upstreams[0].healthy, 5.0)
     for p, s in KINDS:
         await still_serves(url, p, s)
     assert sum(r.path == CHAT for r in before.requests) == len(KINDS)  # nothing was replayed

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from gymproxy import build_config, create_app
-from gymproxy.fake_vllm import FakeVLLM
 from gymproxy.pinning import Signer
+from gymproxy.testing.fake_vllm import FakeVLLM
 
 COOKIE = "gymproxy_pin"
 SECRET = "test-secret"
@@ -126,8 +126,8 @@ async def test_session_header_and_user_field_map_consistently(aiohttp_server, fl
 
 def test_rendezvous_moves_only_the_removed_share():
     from gymproxy.config import Config, UpstreamSpec
+    from gymproxy.fleet import Upstream
     from gymproxy.pinning import Pinner
-    from gymproxy.upstream import Upstream
 
     config = build_config({"base_url": "http://a/v1"}, environ={})
     ups = [Upstream(UpstreamSpec(url=f"http://u{i}/v1"), config) for i in range(4)]

@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from gymproxy.fake_vllm import Script
+from gymproxy.testing.fake_vllm import Script
 
 OVERFLOW_032 = (
     "This model's maximum context length is 512 tokens. However, your prompt contains at least 513 input "

@@ -240,7 +240,10 @@ GOOD_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
         (GOOD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n\r\nab\r\n", "chunk size"),
         (GOOD_HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\nabXY", "after chunk data"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"y" * (MAX_HEAD + 10) + b"\r\n\r\n", f"over {MAX_HEAD} bytes"),
-        (b"HTTP/1.1 200 OK\r\n" + (b"X-Many: " + b"y" * 90 + b"\r\n") * (MAX_HEAD // 100 + 2), f"over {MAX_HEAD} bytes"),
+        (
+            b"HTTP/1.1 200 OK\r\n" + (b"X-Many: " + b"y" * 90 + b"\r\n") * (MAX_HEAD // 100 + 2),
+            f"over {MAX_HEAD} bytes",
+        ),
         # Surplus: bytes past the end of the reply, in the same read as the reply or after it.
         (GOOD_HEAD + b"Content-Length: 2\r\n\r\n{}" + GOOD_HEAD + b"Content-Length: 2\r\n\r\n[]", "after the end"),
         (GOOD_HEAD + b"Content-Length: 2\r\n\r\n{}xyz", "after the end"),

@@ -209,7 +209,8 @@ def test_stream_translation_of_real_chunks_matches_the_reply(pair):
             for payload in decoder.feed(frame.encode() + b"\n\n"):
                 if payload != DONE:
                     translator.feed(CHUNK_DECODER.decode(payload))
-        _, from_stream = translator.finish()
+        translator.finish()
+        from_stream = translator.final
         from_reply = to_response(
             COMPLETION_DECODER.decode(up_n["response"].encode()), req, model=req.model, parser=parser
         )

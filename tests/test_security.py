@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gymproxy.fake_vllm import Script
+from gymproxy.testing.fake_vllm import Script
 
 SECRET_KEY = "sk-UPSTREAM-SECRET-123"
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -156,12 +156,12 @@ async def test_oversized_headers_are_refused_cleanly(proxy_url):
 def test_open_file_limit_is_raised():
     import resource
 
-    from gymproxy.cli import _raise_open_files
+    from gymproxy.server import raise_open_files
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = soft + 1 if hard == resource.RLIM_INFINITY or soft < hard else soft
     try:
-        _raise_open_files(target)
+        raise_open_files(target)
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= target
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -170,11 +170,11 @@ def test_open_file_limit_is_raised():
 def test_serve_freezes_startup_objects_and_collects_cycles_rarely():
     import gc
 
-    from gymproxy.cli import GC_THRESHOLD, _tune_gc
+    from gymproxy.server import GC_THRESHOLD, tune_gc
 
     before = gc.get_threshold()
     try:
-        _tune_gc()
+        tune_gc()
         assert gc.get_threshold() == (GC_THRESHOLD, *before[1:])
         assert gc.get_freeze_count() > 1000  # the modules gymproxy imported
     finally:

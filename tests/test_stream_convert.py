@@ -334,7 +334,9 @@ def _run(chunks: list[dict[str, Any]], *, parser: bool, continued: bool, req: Re
     raw = stream.start()
     for chunk in chunks:
         raw += stream.feed(CHUNK_DECODER.decode(orjson.dumps(chunk)))
-    tail, final = stream.finish()
+    tail = stream.finish()
+    final = stream.final
+    assert final is not None
     return _parse_frames(raw + tail), _parse_frames(tail), final
 
 

@@ -10,7 +10,7 @@ import openai
 import orjson
 import pytest
 
-from gymproxy.fake_vllm import Script
+from gymproxy.testing.fake_vllm import Script
 
 from .test_handlers import OVERFLOW_032
 

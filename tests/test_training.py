@@ -9,7 +9,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gymproxy.fake_vllm import Script, pieces, token_id
+from gymproxy.testing.fake_vllm import Script, pieces, token_id
 
 from .test_streaming import _events
 

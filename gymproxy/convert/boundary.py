@@ -10,16 +10,36 @@ route applies the rules for history messages (role, reasoning split) while it bu
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import orjson
 
-from ..config import Config
-from ..errors import BadRequest
+from ..errors import AnswerLocally, BadRequest
+from .tokens import HISTORY_TOKEN_KEYS, require_one_choice
 
 log = logging.getLogger("gymproxy")
 
 OPEN, CLOSE = "<think>", "</think>"
+
+
+class Rules(msgspec.Struct, frozen=True, kw_only=True):
+    """One config's boundary rules (the `Config` keys of the same names), made once at startup."""
+
+    model: str | None = None
+    uses_reasoning_parser: bool = False
+    uses_interleaved_reasoning: bool = True
+    reasoning_field: Literal["both", "reasoning", "reasoning_content"] = "both"
+    preserve_reasoning_in_assistant_content: bool = False
+    replace_developer_role_with_system: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    forward_request_chat_template_kwargs: bool = False
+    extra_body: dict[str, Any] | None = None
+    continue_final_assistant_message: bool = False
+    return_token_id_information: bool = False
+    request_prompt_and_generation_token_ids: bool = False
+    sampling_overrides: dict[str, Any] | None = None
+    sequential_reasoning_allowed: bool = True
 
 
 def split_think(text: str) -> tuple[list[str], str]:
@@ -48,7 +68,6 @@ def split_think(text: str) -> tuple[list[str], str]:
 
 
 CONTROL_KEYS = ("chat_template_kwargs", "extra_body")
-TOKEN_KEYS = frozenset(("prompt_token_ids", "generation_token_ids", "generation_log_probs", "routed_experts"))
 
 _REASONING_KEYS = {
     "both": ("reasoning_content", "reasoning"),
@@ -60,11 +79,11 @@ _REASONING_KEYS = {
 class Boundary:
     """Applies one config's boundary rules; holds the only mutable state (a warn-once flag)."""
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.reasoning_keys = _REASONING_KEYS[config.reasoning_field] if config.uses_interleaved_reasoning else ()
-        self.split_history = config.uses_reasoning_parser and not config.preserve_reasoning_in_assistant_content
-        self.developer_as_system = config.replace_developer_role_with_system
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.reasoning_keys = _REASONING_KEYS[rules.reasoning_field] if rules.uses_interleaved_reasoning else ()
+        self.split_history = rules.uses_reasoning_parser and not rules.preserve_reasoning_in_assistant_content
+        self.developer_as_system = rules.replace_developer_role_with_system
         self._warned_template_kwargs = False
 
     def prepare(self, body: dict[str, Any], *, built: bool = False) -> dict[str, Any]:
@@ -72,38 +91,39 @@ class Boundary:
 
         `built`: the body comes from `to_chat_body(req, self)`, whose messages were made with `role`
         and `split_turn` (and carry no token metadata) and whose tools have no `strict`, so the
-        per-message and per-tool rules are skipped.
+        per-message and per-tool rules are skipped. Raises `AnswerLocally` when the sequential-
+        reasoning guard answers without asking vLLM (spec 7.3).
         """
-        config = self.config
+        rules = self.rules
         messages: list[dict[str, Any]] = body["messages"]
         tools = body.get("tools")
         if tools and not built:
-            body["tools"] = [_without_strict(tool) for tool in tools]
-        if config.model is not None:
-            body["model"] = config.model
+            body["tools"] = [without_strict(tool) for tool in tools]
+        if rules.model is not None:
+            body["model"] = rules.model
 
         metadata = body.get("metadata")
-        controls = _pop_controls(body, metadata) if metadata else {}
-        template_kwargs = dict(config.chat_template_kwargs or {})
+        controls = pop_controls(body, metadata) if metadata else {}
+        template_kwargs = dict(rules.chat_template_kwargs or {})
         requested = body.pop("chat_template_kwargs", None)
         if requested:
-            if config.forward_request_chat_template_kwargs:
+            if rules.forward_request_chat_template_kwargs:
                 template_kwargs.update(requested)
             else:
                 self.warn_dropped_template_kwargs("forward_request_chat_template_kwargs is false")
         template_kwargs.update(controls.get("chat_template_kwargs", {}))
         if template_kwargs:
             body["chat_template_kwargs"] = template_kwargs
-        extra_body = {**(config.extra_body or {}), **controls.get("extra_body", {})}
+        extra_body = {**(rules.extra_body or {}), **controls.get("extra_body", {})}
 
-        if config.continue_final_assistant_message and messages and messages[-1].get("role") == "assistant":
+        if rules.continue_final_assistant_message and messages and messages[-1].get("role") == "assistant":
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
-        if config.return_token_id_information:
+        if rules.return_token_id_information:
             body["logprobs"] = True
             body["top_logprobs"] = 0
             body["return_tokens_as_token_ids"] = True
-            if config.request_prompt_and_generation_token_ids:
+            if rules.request_prompt_and_generation_token_ids:
                 body["return_token_ids"] = True
         if not built:
             body["messages"] = self._history(messages)
@@ -111,19 +131,21 @@ class Boundary:
             del body["top_logprobs"]  # vLLM reads a null top_logprobs as "no logprobs"
         if extra_body:
             body = {**extra_body, **body}
-        if config.sampling_overrides:
-            body.update(config.sampling_overrides)
-        if config.return_token_id_information and body.get("n") not in (None, 1):
-            raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
+        if rules.sampling_overrides:
+            body.update(rules.sampling_overrides)
+        if rules.return_token_id_information:
+            require_one_choice(body)
+        if not rules.sequential_reasoning_allowed and sequential_reasoning_blocked(body):
+            raise AnswerLocally("content_filter", "a trailing empty assistant turn is answered locally")
         return body
 
     def _history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The per-message rules: developer role, token metadata, reasoning split."""
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        if not all(TOKEN_KEYS.isdisjoint(m) for m in messages):
+        if not all(HISTORY_TOKEN_KEYS.isdisjoint(m) for m in messages):
             # A training client's token metadata on history turns: vLLM does not read it.
-            messages = [{k: v for k, v in m.items() if k not in TOKEN_KEYS} for m in messages]
+            messages = [{k: v for k, v in m.items() if k not in HISTORY_TOKEN_KEYS} for m in messages]
         if self.split_history:
             messages = [self._split(m, i) if m.get("role") == "assistant" else m for i, m in enumerate(messages)]
         return messages
@@ -196,7 +218,7 @@ class Boundary:
                 message[key] = reasoning
 
 
-def _without_strict(tool: Any) -> Any:
+def without_strict(tool: Any) -> Any:
     """vLLM rejects or mishandles `strict` on function tools; custom tools are left alone."""
     if isinstance(tool, dict) and tool.get("type") == "function":
         function = tool.get("function")
@@ -205,13 +227,12 @@ def _without_strict(tool: Any) -> Any:
     return tool
 
 
-def _pop_controls(body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Read and remove `metadata.chat_template_kwargs` / `metadata.extra_body` (JSON object strings)."""
-    if not any(key in metadata for key in CONTROL_KEYS):
-        return {}
+def read_controls(metadata: dict[str, Any] | None, keys: tuple[str, ...] = CONTROL_KEYS) -> dict[str, dict[str, Any]]:
+    """`metadata.chat_template_kwargs` / `metadata.extra_body` (or just `keys`), each a JSON object
+    encoded as a string; the one reader of both, on every path."""
     controls = {}
-    for key in CONTROL_KEYS:
-        raw = metadata.get(key)
+    for key in keys:
+        raw = metadata.get(key) if metadata else None
         if raw is None:
             continue
         try:
@@ -223,6 +244,14 @@ def _pop_controls(body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, d
         if not isinstance(value, dict):
             raise BadRequest(f"metadata.{key} must decode to a JSON object", param=f"metadata.{key}")
         controls[key] = value
+    return controls
+
+
+def pop_controls(body: dict[str, Any], metadata: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`read_controls`, then remove those keys from the metadata sent upstream (and an emptied metadata)."""
+    if not any(key in metadata for key in CONTROL_KEYS):
+        return {}
+    controls = read_controls(metadata)
     rest = {k: v for k, v in metadata.items() if k not in CONTROL_KEYS}
     if rest:
         body["metadata"] = rest

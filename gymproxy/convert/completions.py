@@ -2,15 +2,15 @@
 
 The client still speaks chat; gymproxy renders the messages to one prompt string, sends vLLM a
 text-completion body, and wraps the answer (or each streamed `text_completion` chunk) back into
-chat form. The order a handler follows:
+chat form. The order the exchange follows:
 
-    dropped = check_chat_body(body, config)            # steps 1-4; may raise BadRequest
-    prompt = render_raw(body["messages"])              # or, with render_chat_template:
-    prompt = template.render(body["messages"], body.get("tools"), template_kwargs(config, body.get("metadata")))
-    completion_body = to_completions_body(body, config, prompt)
+    dropped = check_chat_body(body, rendered=rules.render_chat_template)   # steps 1-4; may raise BadRequest
+    prompt = render_raw(body["messages"])              # or, with render_chat_template (templates.py):
+    prompt = template.render(body["messages"], body.get("tools"), template_kwargs(rules.chat_template_kwargs, metadata))
+    completion_body = to_completions_body(body, rules, prompt)
     ... POST /v1/completions ...
-    chat = to_chat_completion(reply, config, training=config.return_token_id_information)
-    # training mode with no prompt ids from vLLM: POST /tokenize with tokenize_body(config, prompt, completion_body)
+    chat = to_chat_completion(reply, rules.model, training=rules.return_token_id_information)
+    # training mode with no prompt ids from vLLM: POST /tokenize with tokens.tokenize_body(completion_body)
 
 None of §6 (the chat boundary) applies on this path.
 """
@@ -20,12 +20,24 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
+import msgspec
 
-from ..config import Config, ConfigError
 from ..errors import BadRequest, UpstreamError
 from ..ids import hex32
-from .boundary import _without_strict
+from .boundary import read_controls, without_strict
+from .tokens import require_one_choice, short, token_ids
+
+
+class Rules(msgspec.Struct, frozen=True, kw_only=True):
+    """One config's completions-backend rules (the `Config` keys of the same names)."""
+
+    model: str | None = None
+    render_chat_template: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    extra_body: dict[str, Any] | None = None
+    sampling_overrides: dict[str, Any] | None = None
+    return_token_id_information: bool = False
+
 
 # Chat request fields /v1/completions takes under the same name (spec 10 step 6).
 PASSED_FIELDS = (
@@ -44,10 +56,6 @@ PASSED_FIELDS = (
 AUDIO_KEYS = ("audio_data", "audio_path", "audio_paths")
 TEXT_PARTS = ("text", "input_text")
 TOKEN_PREFIX = "token_id:"
-
-# apply_chat_template arguments gymproxy sets itself: chat_template_kwargs may not replace them.
-_RESERVED_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt"})
-_INSTALL = "pip install 'gymproxy[template]'"
 
 
 # --- prompt rendering ------------------------------------------------------------------------
@@ -124,103 +132,31 @@ def _flatten(message: Any, index: int) -> str:
     return "".join(texts)
 
 
-class ChatTemplate:
-    """A Hugging Face tokenizer's chat template, loaded once at startup, rendering prompts."""
-
-    def __init__(self, tokenizer: Any, name: str) -> None:
-        self.tokenizer = tokenizer
-        self.name = name
-        self._refusals = _template_refusals()
-
-    @classmethod
-    def load(cls, name_or_path: str) -> ChatTemplate:
-        """Load the tokenizer (`tokenizer:` or else `model:` from the config); raises ConfigError."""
-        try:
-            import jinja2  # noqa: F401  (transformers renders templates with it but does not require it)
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise ConfigError(
-                f"config: `render_chat_template: true` needs the `transformers` and `jinja2` packages "
-                f"({exc}); install them with: {_INSTALL}"
-            ) from exc
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=True)
-        except Exception as exc:  # hub, filesystem and tokenizer-format errors alike
-            raise ConfigError(
-                f"config: cannot load the tokenizer {name_or_path!r} for render_chat_template: {exc}. "
-                "Set `tokenizer:` to a Hugging Face id or a local directory, or set render_chat_template: false."
-            ) from exc
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                f"config: the tokenizer loaded from {name_or_path!r} has no chat template; point `tokenizer:` "
-                "at a model whose tokenizer ships one, or set render_chat_template: false."
-            )
-        return cls(tokenizer, name_or_path)
-
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, kwargs: dict[str, Any]) -> str:
-        """The prompt for `messages`, ending where the assistant turn begins. Blocking: run it in a thread."""
-        check_text_only(messages)
-        reserved = sorted(_RESERVED_KWARGS.intersection(kwargs))
-        if reserved:
-            raise BadRequest(
-                f"chat_template_kwargs may not set {reserved}: gymproxy sets them itself", param="chat_template_kwargs"
-            )
-        # Text parts become one string, as vLLM does before it renders: templates concatenate content.
-        messages = [
-            {**m, "content": "".join(p.get("text") or "" for p in m["content"])}
-            if isinstance(m.get("content"), list)
-            else m
-            for m in messages
-        ]
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, tools=tools or None, **kwargs
-            )
-        except self._refusals as exc:
-            # The template refused these messages (e.g. `raise_exception("roles must alternate")`).
-            raise BadRequest(
-                f"the chat template of {self.name!r} cannot render this request: {exc}", param="messages"
-            ) from exc
-        if not isinstance(prompt, str):
-            raise BadRequest(
-                "chat_template_kwargs made the chat template return something other than text",
-                param="chat_template_kwargs",
-            )
-        return prompt
-
-
-def template_kwargs(config: Config, metadata: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(base: dict[str, Any] | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
     """Config `chat_template_kwargs` overlaid by the JSON object in `metadata.chat_template_kwargs`."""
-    kwargs = dict(config.chat_template_kwargs or {})
-    raw = (metadata or {}).get("chat_template_kwargs")
-    if not raw:
-        return kwargs
-    param = "metadata.chat_template_kwargs"
-    try:
-        value = orjson.loads(raw)
-    except (orjson.JSONDecodeError, TypeError):
-        raise BadRequest(f"{param} must be a JSON object encoded as a string", param=param) from None
-    if not isinstance(value, dict):
-        raise BadRequest(f"{param} must decode to a JSON object", param=param)
-    if "chat_template" in value:
-        # vLLM too refuses a request's own template unless the operator trusts it.
-        raise BadRequest(f"{param} may not replace the chat template", param=param)
-    kwargs.update(value)
+    kwargs = dict(base or {})
+    requested = read_controls(metadata, ("chat_template_kwargs",)).get("chat_template_kwargs")
+    if requested:
+        if "chat_template" in requested:
+            # vLLM too refuses a request's own template unless the operator trusts it.
+            param = "metadata.chat_template_kwargs"
+            raise BadRequest(f"{param} may not replace the chat template", param=param)
+        kwargs.update(requested)
     return kwargs
 
 
 # --- request ---------------------------------------------------------------------------------
 
 
-def check_chat_body(chat_body: dict[str, Any], config: Config) -> bool:
+def check_chat_body(chat_body: dict[str, Any], *, rendered: bool) -> bool:
     """Spec 10 steps 1-4, in place: strip `strict`, drop the request's `chat_template_kwargs`,
     refuse tools in raw mode and audio metadata. Returns whether a non-empty
     `chat_template_kwargs` was dropped (the caller warns once per process)."""
     tools = chat_body.get("tools")
     if tools:
-        chat_body["tools"] = [_without_strict(tool) for tool in tools]
+        chat_body["tools"] = [without_strict(tool) for tool in tools]
     dropped = bool(chat_body.pop("chat_template_kwargs", None))
-    if tools and not config.render_chat_template:
+    if tools and not rendered:
         raise BadRequest(
             "tools are not supported with use_completions_api=true and render_chat_template=false; "
             "set render_chat_template: true (the chat template renders tool definitions into the prompt) "
@@ -237,11 +173,11 @@ def check_chat_body(chat_body: dict[str, Any], config: Config) -> bool:
     return dropped
 
 
-def to_completions_body(chat_body: dict[str, Any], config: Config, prompt: str) -> dict[str, Any]:
+def to_completions_body(chat_body: dict[str, Any], rules: Rules, prompt: str) -> dict[str, Any]:
     """The /v1/completions body for a chat request whose messages rendered to `prompt` (spec 10 steps 6-7)."""
-    training = config.return_token_id_information
+    training = rules.return_token_id_information
     # Without a configured model the client's stands, as on the chat path.
-    model = config.model if config.model is not None else chat_body.get("model")
+    model = rules.model if rules.model is not None else chat_body.get("model")
     body: dict[str, Any] = {"model": model, "prompt": prompt}
     for key in PASSED_FIELDS:
         if key in chat_body:
@@ -253,13 +189,13 @@ def to_completions_body(chat_body: dict[str, Any], config: Config, prompt: str) 
         body["logprobs"] = chat_body["top_logprobs"]
     elif chat_body.get("logprobs") is True or training:
         body["logprobs"] = 0
-    if config.extra_body:
-        body = {**config.extra_body, **body}  # the request wins; metadata.extra_body is not read here
+    if rules.extra_body:
+        body = {**rules.extra_body, **body}  # the request wins; metadata.extra_body is not read here
     if training:
         body["return_token_ids"] = True
         body["return_tokens_as_token_ids"] = True
-    if config.sampling_overrides:
-        body.update(config.sampling_overrides)
+    if rules.sampling_overrides:
+        body.update(rules.sampling_overrides)
     # The transport is gymproxy's choice, whatever extra_body or sampling_overrides say.
     body.pop("stream", None)
     body.pop("stream_options", None)
@@ -267,23 +203,15 @@ def to_completions_body(chat_body: dict[str, Any], config: Config, prompt: str) 
         options = chat_body.get("stream_options")
         body["stream"] = True
         body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    if training and body.get("n") not in (None, 1):
-        raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
-    return body
-
-
-def tokenize_body(config: Config, prompt: str, completion_body: dict[str, Any]) -> dict[str, Any]:
-    """The /tokenize request giving the prompt ids vLLM did not return (spec 10 step 9)."""
-    body: dict[str, Any] = {"model": completion_body.get("model", config.model), "prompt": prompt}
-    if "add_special_tokens" in completion_body:
-        body["add_special_tokens"] = completion_body["add_special_tokens"]
+    if training:
+        require_one_choice(body)
     return body
 
 
 # --- reply -----------------------------------------------------------------------------------
 
 
-def to_chat_completion(reply: dict[str, Any], config: Config, *, training: bool) -> dict[str, Any]:
+def to_chat_completion(reply: dict[str, Any], model: str | None, *, training: bool) -> dict[str, Any]:
     """A /v1/completions reply as a `chat.completion` (spec 10 step 10); `choices[0]` only.
 
     In training mode the message carries the token fields; `prompt_token_ids` is None when vLLM
@@ -302,7 +230,7 @@ def to_chat_completion(reply: dict[str, Any], config: Config, *, training: bool)
         "id": upstream_id if isinstance(upstream_id, str) and upstream_id else f"chatcmpl-{hex32()}",
         "object": "chat.completion",
         "created": reply.get("created") or int(time.time()),
-        "model": reply.get("model") or config.model,
+        "model": reply.get("model") or model,
         "choices": [
             {
                 "index": choice.get("index", 0),
@@ -325,11 +253,11 @@ def token_fields(choice: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(logprobs, dict) or logprobs.get("token_logprobs") is None:
         raise UpstreamError(
             "gymproxy requested per-token logprobs from vLLM (return_token_id_information=True, logprobs=0), "
-            f"but the response had none (choice.logprobs={_short(logprobs)}). Cannot extract token IDs or logprobs."
+            f"but the response had none (choice.logprobs={short(logprobs)}). Cannot extract token IDs or logprobs."
         )
     ids = choice.get("token_ids")
     if ids is not None:
-        generation = _ids(ids, "choice.token_ids")
+        generation = token_ids(ids, "choice.token_ids")
     elif logprobs.get("tokens") is not None:
         tokens = logprobs["tokens"]
         if not isinstance(tokens, list):
@@ -350,7 +278,7 @@ def token_fields(choice: dict[str, Any]) -> dict[str, Any]:
         )
     prompt = choice.get("prompt_token_ids")
     return {
-        "prompt_token_ids": None if prompt is None else _ids(prompt, "choice.prompt_token_ids"),
+        "prompt_token_ids": None if prompt is None else token_ids(prompt, "choice.prompt_token_ids"),
         "generation_token_ids": generation,
         "generation_log_probs": [float(v) for v in values],
     }
@@ -388,8 +316,8 @@ class CompletionChunks:
     fields of choice 0 once the stream is over, by the same rules as `to_chat_completion`.
     """
 
-    def __init__(self, config: Config) -> None:
-        self.model = config.model
+    def __init__(self, model: str | None) -> None:
+        self.model = model
         self._id = f"chatcmpl-{hex32()}"
         self._created = int(time.time())
         self._started: set[int] = set()
@@ -488,30 +416,9 @@ def _text(choice: dict[str, Any]) -> str:
     return text
 
 
-def _ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise UpstreamError(f"`{name}` must be a list of integer token IDs.")
-    return value
-
-
 def _token_id(token: Any, index: int) -> int:
     """`token_id:N` (vLLM's return_tokens_as_token_ids form) as N."""
     digits = token.removeprefix(TOKEN_PREFIX) if isinstance(token, str) else ""
     if not (digits.isascii() and digits.isdigit()):
         raise UpstreamError(f"choice.logprobs.tokens[{index}] must use the `token_id:<int>` format.")
     return int(digits)
-
-
-def _template_refusals() -> tuple[type[Exception], ...]:
-    """What a chat template raises when it cannot render a request (as opposed to a gymproxy bug)."""
-    refusals: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError)
-    try:
-        from jinja2 import TemplateError
-    except ImportError:
-        return refusals
-    return (TemplateError, *refusals)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 200 else text[:200] + "..."

@@ -1,17 +1,24 @@
-"""Chat completion -> Responses `Response` (spec sections 7.1 and 8), as pure functions.
+"""An upstream chat completion as each client gets it (spec sections 7.1 and 8), as pure functions.
 
-`to_response` is shared by the non-streaming route and the stream translator, so a streamed
-`response.completed` carries exactly what the non-streaming route returns.
+`ChatReply` holds the upstream's reply bytes and parses them at most once. `chat_answer` is what a
+`/v1/chat/completions` client gets (vLLM's bytes untouched unless reasoning must be folded into
+`<think>`); `to_response` is what a `/v1/responses` client gets, shared with the stream translator
+so that a streamed `response.completed` carries exactly what the non-streaming route returns.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
+import msgspec
+import orjson
+
 from ..errors import UpstreamError
 from ..ids import hex32, new_id
-from ..schemas.chat import AssistantMessage, ChatCompletion, Usage
+from ..schemas import ENCODER
+from ..schemas.chat import COMPLETION_DECODER, AssistantMessage, ChatCompletion, Usage
 from ..schemas.responses import (
     CustomToolCallItem,
     FunctionCallItem,
@@ -31,7 +38,7 @@ from ..schemas.responses import (
     TextEcho,
 )
 from .boundary import split_think
-from .tokens import TokenInfo
+from .tokens import TokenInfo, attach_to_chat
 
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
@@ -39,6 +46,104 @@ NO_PARSER = (
     "the upstream returned a reasoning field, but gymproxy's config says `uses_reasoning_parser: false`; "
     "set it to true for a vLLM started with --reasoning-parser"
 )
+
+
+# A reasoning field with a string value (vLLM 0.32 sends `"reasoning":null` on every full reply).
+_REASONING_VALUE = re.compile(rb'"reasoning(?:_content)?"\s*:\s*"')
+
+
+def has_reasoning(payload: bytes) -> bool:
+    """Whether a reply or chunk carries a non-null reasoning field, without decoding it."""
+    return _REASONING_VALUE.search(payload) is not None
+
+
+class _CompletionShape(msgspec.Struct):
+    choices: msgspec.Raw  # checked for JSON syntax only, never built into objects
+
+
+_SHAPE_CHECK = msgspec.json.Decoder(_CompletionShape)
+
+
+class ChatReply:
+    """An upstream's whole 200 reply in chat form: its bytes, parsed (once) only when asked.
+
+    `source` names where it came from ("the upstream http://..."), for the 502 when it is broken.
+    """
+
+    __slots__ = ("_payload", "_mapping", "source")
+
+    def __init__(self, payload: bytes | None, source: str, mapping: dict[str, Any] | None = None) -> None:
+        self._payload = payload
+        self._mapping = mapping
+        self.source = source
+
+    @property
+    def payload(self) -> bytes:
+        if self._payload is None:
+            self._payload = ENCODER.encode(self._mapping)
+        return self._payload
+
+    def mapping(self) -> dict[str, Any]:
+        """The reply as a mapping; anything but a JSON object is the upstream breaking the protocol (502)."""
+        if self._mapping is None:
+            try:
+                reply = orjson.loads(self.payload)
+            except orjson.JSONDecodeError as exc:
+                raise UpstreamError(f"{self.source} sent a reply that is not valid JSON: {exc}") from exc
+            if not isinstance(reply, dict):
+                raise UpstreamError(f"{self.source} sent a reply that is not a JSON object")
+            self._mapping = reply
+        return self._mapping
+
+    def completion(self) -> ChatCompletion:
+        """The reply decoded into its typed form."""
+        try:
+            return COMPLETION_DECODER.decode(self.payload)
+        except msgspec.DecodeError as exc:
+            raise UpstreamError(f"{self.source} sent an invalid chat completion: {exc}") from exc
+
+    def check(self) -> None:
+        """A cheap check that a reply passed through untouched is a JSON object with `choices`."""
+        try:
+            _SHAPE_CHECK.decode(self.payload)
+        except msgspec.DecodeError as exc:
+            raise UpstreamError(f"{self.source} sent an invalid chat completion: {exc}") from exc
+
+
+def chat_answer(reply: ChatReply, tokens: TokenInfo | None, *, parser: bool, continued: bool) -> bytes:
+    """What a chat client gets: vLLM's bytes as they are, unless reasoning is folded or token ids added."""
+    if tokens is not None:
+        mapping = reply.mapping()
+        fold_chat_reasoning(mapping, parser=parser, continued=continued)
+        attach_to_chat(mapping, tokens)
+        return orjson.dumps(mapping)
+    payload = reply.payload
+    if has_reasoning(payload):  # most replies carry none: their bytes go back untouched
+        mapping = reply.mapping()
+        if fold_chat_reasoning(mapping, parser=parser, continued=continued):
+            return orjson.dumps(mapping)
+        return payload
+    reply.check()
+    return payload
+
+
+def fold_chat_reasoning(reply: dict[str, Any], *, parser: bool, continued: bool) -> bool:
+    """Fold each choice's reasoning field into `<think>` content; True when anything changed."""
+    changed = False
+    for choice in reply.get("choices") or ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if not reasoning:
+            continue
+        if not parser:
+            raise UpstreamError(NO_PARSER)
+        message.pop("reasoning_content", None)
+        message.pop("reasoning", None)
+        message["content"] = fold_reasoning(message.get("content"), reasoning, continued=continued)
+        changed = True
+    return changed
 
 
 def fold_reasoning(content: str | None, reasoning: str | None, *, continued: bool) -> str | None:

@@ -28,8 +28,7 @@ from ..schemas.responses import (
     ToolChoice,
 )
 from .boundary import Boundary
-
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+from .tokens import TOKEN_FIELDS
 
 _NO_CHAT = (
     "'{0}' has no Chat Completions representation, so this rollout cannot be downconverted. "
@@ -202,9 +201,9 @@ class _Turns:
             raise BadRequest(f"{_at(index)}: a {role} message needs `content`", param=f"{_at(index)}.content")
         if not isinstance(content, str):
             content = [_part(part, index, i) for i, part in enumerate(content)]
-        if self.boundary is not None:
-            role = self.boundary.role(role)
-        self.messages.append({"role": role, "content": content})
+        self.messages.append(
+            {"role": self.boundary.role(role) if self.boundary is not None else role, "content": content}
+        )
 
     def _assistant_content(self, item: InputItem, index: int) -> None:
         if isinstance(item.content, str):

@@ -1,23 +1,36 @@
-"""Streaming conversions, sans-IO: chat chunks in, Responses events or rewritten chat chunks out.
+"""Streaming conversions, sans-IO: vLLM's chat chunks in, the client's stream frames out.
 
-`ResponsesStream` turns vLLM's chat chunks into the Responses event protocol as they arrive and
-builds its terminal Response with `reply.to_response` from everything it saw, so the streamed
-result equals the non-streaming one. `ChatReasoningFolder` folds vLLM's separate reasoning deltas
-into `<think>` content on the chat stream. `ThinkSplitter` finds `<think>` tags that may straddle
-chunks.
+Both translators take each upstream SSE payload (`payload`) and return the bytes to write, and end
+the stream with `finish`, `fail` (a terminal error event) or, for an answer made without vLLM,
+`answer_locally`. `ResponsesStream` turns chunks into the Responses event protocol as they arrive
+and builds its terminal Response with `reply.to_response` from everything it saw, so the streamed
+result equals the non-streaming one. `ChatStream` relays vLLM's chunks, folding separate reasoning
+deltas into `<think>` content (`ChatReasoningFolder`). `ThinkSplitter` finds `<think>` tags that
+may straddle chunks.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
+import msgspec
 import orjson
 
 from ..errors import UpstreamError
 from ..ids import new_id
-from ..schemas.chat import AssistantMessage, ChatChunk, ChatCompletion, Choice, FunctionCall, ToolCall, Usage
+from ..schemas import ENCODER
+from ..schemas.chat import (
+    CHUNK_DECODER,
+    AssistantMessage,
+    ChatChunk,
+    ChatCompletion,
+    Choice,
+    ChunkChoice,
+    FunctionCall,
+    ToolCall,
+    Usage,
+)
 from ..schemas.events import (
     ArgumentsDone,
     ContentPartEvent,
@@ -42,18 +55,11 @@ from ..schemas.responses import (
     ResponsesRequest,
     SummaryText,
 )
-from .reply import NO_PARSER, attach_tokens, echo, to_response
+from .boundary import CLOSE, OPEN
+from .reply import NO_PARSER, attach_tokens, echo, empty_completion, has_reasoning, to_response
 from .tokens import TokenInfo
 
-OPEN, CLOSE = "<think>", "</think>"
-
-# A reasoning field with a string value (vLLM 0.32 sends `"reasoning":null` on every full reply).
-_REASONING_VALUE = re.compile(rb'"reasoning(?:_content)?"\s*:\s*"')
-
-
-def has_reasoning(payload: bytes) -> bool:
-    """Whether a reply or chunk carries a non-null reasoning field, without decoding it."""
-    return _REASONING_VALUE.search(payload) is not None
+DONE_FRAME = b"data: [DONE]\n\n"
 
 
 class ThinkSplitter:
@@ -161,6 +167,8 @@ class ResponsesStream:
         self.prompt_token_ids: Any = None
         self.token_ids: list[int] | None = None
         self.logprobs: list[Any] | None = None
+        self.ended = False  # never early: an in-stream error fails the stream
+        self.final: Response | None = None  # the terminal Response, once finished
 
     # --- public ------------------------------------------------------------------------
 
@@ -170,6 +178,13 @@ class ResponsesStream:
         self._emit(ResponseEvent("response.created", 0, snapshot))
         self._emit(ResponseEvent("response.in_progress", 0, snapshot))
         return self._take()
+
+    def payload(self, payload: bytes) -> bytes:
+        """Events for one upstream SSE payload; vLLM's in-stream error is an `UpstreamError`."""
+        chunk = CHUNK_DECODER.decode(payload)
+        if chunk.error is not None:
+            raise UpstreamError(_chunk_error(chunk.error))
+        return self.feed(chunk)
 
     def feed(self, chunk: ChatChunk) -> bytes:
         """Events for one upstream chunk (often a single text delta)."""
@@ -228,8 +243,8 @@ class ResponsesStream:
             choice["logprobs"] = {"content": self.logprobs}
         return {"prompt_token_ids": self.prompt_token_ids, "choices": [choice]}
 
-    def finish(self, tokens: TokenInfo | None = None) -> tuple[bytes, Response]:
-        """Close every item and end with `response.completed` (or `.incomplete`)."""
+    def finish(self, tokens: TokenInfo | None = None) -> bytes:
+        """Close every item and end with `response.completed` (or `.incomplete`); sets `final`."""
         if self.splitter is not None:
             self._split(self.splitter.flush())
         completion = ChatCompletion(
@@ -249,7 +264,8 @@ class ResponsesStream:
         self._align_ids(final)
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         self._emit(ResponseEvent(kind, 0, final))
-        return self._take(), final
+        self.final = final
+        return self._take()
 
     def fail(self, message: str) -> bytes:
         """End the stream with `response.failed` (after closing whatever was open)."""
@@ -258,6 +274,12 @@ class ResponsesStream:
         failed.error = ResponseError(code="server_error", message=message)
         self._emit(ResponseEvent("response.failed", 0, failed))
         return self._take()
+
+    def answer_locally(self, finish_reason: str) -> bytes:
+        """The whole stream of an empty answer made without vLLM (context overflow, blocked turn)."""
+        frames = self.start()
+        frames += self.feed(ChatChunk(created=int(time.time()), choices=[ChunkChoice(finish_reason=finish_reason)]))
+        return frames + self.finish()
 
     # --- accumulation ------------------------------------------------------------------
 
@@ -313,17 +335,19 @@ class ResponsesStream:
             )
             new_block = True
         if new_block:
+            rid = self.reasoning_id
+            assert rid is not None  # set when the reasoning item opened, above
             self._end_summary()
             self.summary_index += 1
             self.summary = []
             self.summary_frames = DeltaFrames(
-                "response.reasoning_summary_text.delta", self.reasoning_id, self.reasoning_index, self.summary_index
+                "response.reasoning_summary_text.delta", rid, self.reasoning_index, self.summary_index
             )
             self._emit(
                 SummaryPartEvent(
                     "response.reasoning_summary_part.added",
                     0,
-                    self.reasoning_id,
+                    rid,
                     self.reasoning_index,
                     self.summary_index,
                     SummaryText(text=""),
@@ -457,8 +481,8 @@ class ResponsesStream:
                     "response.function_call_arguments.done", 0, call.id, call.output_index, call.name, arguments
                 )
             )
-            item = FunctionCallItem(arguments=arguments, call_id=call.id, name=call.name, id=call.id)
-            self._emit(ItemEvent("response.output_item.done", 0, call.output_index, item))
+            call_item = FunctionCallItem(arguments=arguments, call_id=call.id, name=call.name, id=call.id)
+            self._emit(ItemEvent("response.output_item.done", 0, call.output_index, call_item))
 
     # --- plumbing ----------------------------------------------------------------------
 
@@ -523,3 +547,65 @@ class ChatReasoningFolder:
                 delta["content"] = CLOSE + content
                 changed = True
         return orjson.dumps(chunk) if changed else payload
+
+
+class _ChunkCheck(msgspec.Struct):
+    error: Any = None
+
+
+_CHUNK_CHECK = msgspec.json.Decoder(_ChunkCheck)
+
+
+class ChatStream:
+    """vLLM's chat stream relayed to a chat client, frame by frame; reasoning folded when the parser runs.
+
+    Payloads are checked for JSON and an in-stream error only, never built into objects, unless
+    reasoning must be folded. vLLM's own error chunk is relayed as it is and ends the stream.
+    `reasoning`: the chunks come from vLLM's chat API and may carry its reasoning fields (the
+    completions backend's chunks never do).
+    """
+
+    def __init__(self, *, model: str | None, parser: bool, continued: bool, reasoning: bool = True) -> None:
+        self.model = model
+        self.folder = ChatReasoningFolder(continued=continued) if parser and reasoning else None
+        self.refuse_reasoning = reasoning and not parser
+        self.ended = False  # vLLM sent its error chunk: [DONE] is all that may follow
+
+    def start(self) -> bytes:
+        return b""
+
+    def payload(self, payload: bytes) -> bytes:
+        if _CHUNK_CHECK.decode(payload).error is not None:
+            self.ended = True
+        elif self.folder is not None:
+            if self.folder.needed(payload):
+                payload = self.folder.fold(payload)
+        elif self.refuse_reasoning and has_reasoning(payload):
+            raise UpstreamError(NO_PARSER)
+        return b"data: " + payload + b"\n\n"
+
+    def finish(self, tokens: TokenInfo | None = None) -> bytes:
+        return DONE_FRAME
+
+    def fail(self, message: str) -> bytes:
+        error = {"error": {"message": message, "type": "upstream_error", "param": None, "code": 502}}
+        return b"data: " + ENCODER.encode(error) + b"\n\n" + DONE_FRAME
+
+    def answer_locally(self, finish_reason: str) -> bytes:
+        """The chat stream of an empty answer: a role chunk, a finish chunk, `[DONE]`."""
+        body = empty_completion(self.model, finish_reason)
+        base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": self.model}
+        first = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
+        last = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}]}
+        return b"data: " + ENCODER.encode(first) + b"\n\ndata: " + ENCODER.encode(last) + b"\n\n" + DONE_FRAME
+
+
+def _chunk_error(error: Any) -> str:
+    if isinstance(error, dict):
+        return f"the upstream reported an error mid-stream: {error.get('message') or error}"
+    return f"the upstream reported an error mid-stream: {error}"

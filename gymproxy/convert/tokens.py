@@ -15,10 +15,13 @@ from typing import Any
 
 import msgspec
 
-from ..errors import UpstreamError
+from ..errors import BadRequest, UpstreamError
 
-BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-TOKENIZE_FIELDS = (
+# The token fields of a training message or output item; clients echo them on history items.
+TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+HISTORY_TOKEN_KEYS = frozenset((*TOKEN_FIELDS, "routed_experts"))
+# What /tokenize is sent of a generation body: the fields that shape its prompt (spec 9.3, 10 step 9).
+_TOKENIZE_CHAT = (
     "model",
     "messages",
     "tools",
@@ -26,6 +29,7 @@ TOKENIZE_FIELDS = (
     "mm_processor_kwargs",
     "required_prefix_token_ids",
 )
+_TOKENIZE_PROMPT = ("model", "prompt", "add_special_tokens")
 
 
 class TokenInfo(msgspec.Struct, kw_only=True):
@@ -42,17 +46,18 @@ def from_reply(reply: dict[str, Any]) -> TokenInfo:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise UpstreamError("the upstream reply has no choices to take token ids from")
     choice = choices[0]
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    found = choice.get("message")
+    message: dict[str, Any] = found if isinstance(found, dict) else {}
     inline_prompt = reply.get("prompt_token_ids")
     inline_generation = choice.get("token_ids")
-    present = [name for name in BUNDLE if message.get(name) is not None]
+    present = [name for name in TOKEN_FIELDS if message.get(name) is not None]
     if present:
-        missing = [name for name in BUNDLE if message.get(name) is None]
+        missing = [name for name in TOKEN_FIELDS if message.get(name) is None]
         if missing:
             raise UpstreamError(f"choice.message returned partial token metadata; missing: {', '.join(missing)}.")
         info = TokenInfo(
-            prompt_token_ids=_ids(message["prompt_token_ids"], "prompt_token_ids"),
-            generation_token_ids=_ids(message["generation_token_ids"], "generation_token_ids"),
+            prompt_token_ids=token_ids(message["prompt_token_ids"], "prompt_token_ids"),
+            generation_token_ids=token_ids(message["generation_token_ids"], "generation_token_ids"),
             generation_log_probs=_logprobs(message["generation_log_probs"], "generation_log_probs"),
             routed_experts=message.get("routed_experts"),
             from_bundle=True,
@@ -63,15 +68,15 @@ def from_reply(reply: dict[str, Any]) -> TokenInfo:
                 raise UpstreamError("Message-level token metadata disagrees with vLLM response token IDs.")
         return info
     if (inline_prompt is None) != (inline_generation is None):
-        missing = "choice.token_ids" if inline_generation is None else "prompt_token_ids"
-        raise UpstreamError(f"vLLM response returned partial token metadata; missing: {missing}.")
+        absent = "choice.token_ids" if inline_generation is None else "prompt_token_ids"
+        raise UpstreamError(f"vLLM response returned partial token metadata; missing: {absent}.")
     logprob_ids, logprobs = from_logprobs(choice.get("logprobs"))
     if inline_generation is not None:
-        generation = _ids(inline_generation, "choice.token_ids")
+        generation = token_ids(inline_generation, "choice.token_ids")
         if generation != logprob_ids:
             raise UpstreamError("vLLM response generation token IDs disagree with choice logprob token IDs.")
         info = TokenInfo(
-            prompt_token_ids=_ids(inline_prompt, "prompt_token_ids"),
+            prompt_token_ids=token_ids(inline_prompt, "prompt_token_ids"),
             generation_token_ids=generation,
             generation_log_probs=logprobs,
         )
@@ -88,7 +93,7 @@ def from_logprobs(logprobs: Any) -> tuple[list[int], list[float]]:
     if not isinstance(content, list):
         raise UpstreamError(
             "gymproxy requested per-token logprobs from vLLM (return_token_id_information=True, logprobs=True, "
-            f"top_logprobs=0), but the response had none (choice.logprobs={_short(logprobs)}). "
+            f"top_logprobs=0), but the response had none (choice.logprobs={short(logprobs)}). "
             "Cannot extract token ids or logprobs."
         )
     ids: list[int] = []
@@ -107,16 +112,24 @@ def from_logprobs(logprobs: Any) -> tuple[list[int], list[float]]:
     return ids, values
 
 
-def tokenize_body(chat_body: dict[str, Any]) -> dict[str, Any]:
-    """The /tokenize request for a chat body: the same prompt-affecting fields as the generation."""
-    return {name: chat_body[name] for name in TOKENIZE_FIELDS if name in chat_body}
+def tokenize_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The /tokenize request for a generation body (chat `messages` or a completions `prompt`):
+    the fields that shape its prompt."""
+    fields = _TOKENIZE_CHAT if "messages" in body else _TOKENIZE_PROMPT
+    return {name: body[name] for name in fields if name in body}
+
+
+def require_one_choice(body: dict[str, Any]) -> None:
+    """Training mode returns the token ids of one generation: `n` must be absent or 1."""
+    if body.get("n") not in (None, 1):
+        raise BadRequest("n must be 1 when gymproxy returns token ids for training", param="n")
 
 
 def prompt_ids_from_tokenize(reply: Any) -> list[int]:
     tokens = reply.get("tokens") if isinstance(reply, dict) else None
     if not isinstance(tokens, list):
         raise UpstreamError("the upstream's /tokenize reply has no `tokens` list")
-    return _ids(tokens, "tokens")
+    return token_ids(tokens, "tokens")
 
 
 def attach_to_chat(reply: dict[str, Any], info: TokenInfo) -> None:
@@ -133,7 +146,8 @@ def attach_to_chat(reply: dict[str, Any], info: TokenInfo) -> None:
     message["routed_experts"] = info.routed_experts
 
 
-def _ids(value: Any, name: str) -> list[int]:
+def token_ids(value: Any, name: str) -> list[int]:
+    """`value` as a list of integer token ids; anything else breaks the upstream's contract."""
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise UpstreamError(f"`{name}` must be a list of integer token IDs.")
     return value
@@ -153,6 +167,7 @@ def _same_length(info: TokenInfo, source: str) -> None:
         )
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """A repr for an error message, cut at 200 characters."""
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."

@@ -125,7 +125,8 @@ class ArgumentsDone(Event):
 
 def encode_event(event: Event) -> bytes:
     """One SSE frame: `event: <type>\\ndata: <json>\\n\\n`."""
-    return b"event: " + event.type.encode() + b"\ndata: " + ENCODER.encode(event) + b"\n\n"  # type: ignore[attr-defined]
+    kind: str = event.type  # type: ignore[attr-defined]  # every concrete event has one
+    return b"event: " + kind.encode() + b"\ndata: " + ENCODER.encode(event) + b"\n\n"
 
 
 # The delta events, sent once per streamed token: the index field after output_index, and the object's end.

@@ -35,7 +35,7 @@ from aiohttp import web
 Json = dict[str, Any]
 Frames = tuple[list[bytes], list[bytes], list[bytes]]  # head, body (cut by fail_mid_stream), tail
 
-SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+VLLM_STREAM_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE: Final = b"data: [DONE]\n\n"
 VOCAB_SIZE: Final = 50_000
 POLL_SECONDS: Final = 0.02
@@ -501,7 +501,7 @@ class FakeVLLM:
             body = body[: len(body) // 2]
             error = error_body(500, script.error_message or "fake vLLM: injected mid-stream error")
             tail = {"bad_json": [b"data: {not json\n\n", DONE], "error": [b"data: %s\n\n" % error, DONE]}.get(mode, [])
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        resp = web.StreamResponse(headers=VLLM_STREAM_HEADERS)
         if mode == "truncate":
             resp.force_close()
         await resp.prepare(request)
@@ -562,8 +562,8 @@ def run(host: str, port: int, model: str = "fake-model") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m gymproxy.fake_vllm --host H --port P --model NAME [--max-model-len L]`."""
-    parser = argparse.ArgumentParser(prog="python -m gymproxy.fake_vllm", description="A fake vLLM server.")
+    """`python -m gymproxy.testing.fake_vllm --host H --port P --model NAME [--max-model-len L]`."""
+    parser = argparse.ArgumentParser(prog="python -m gymproxy.testing.fake_vllm", description="A fake vLLM server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="fake-model")

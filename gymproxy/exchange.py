@@ -1,0 +1,578 @@
+"""One client request's trip to vLLM and back: the exchange every converted route goes through.
+
+A route decodes the client's request and plans it as a `Backend` (how vLLM is asked: its chat API,
+or its completions API with `use_completions_api`) and an `Answer` (how the client is answered: a
+chat completion or a Response). `Exchange.serve` then runs exactly one of:
+
+- answer locally: the plan or vLLM's reply raised `AnswerLocally` (a blocked trailing turn, a
+  context overflow); the client gets an empty answer in its own format, whole or streamed;
+- whole reply: send, read the reply, judge its status, convert it;
+- stream: send, then translate each SSE payload as it arrives. Before the response is prepared a
+  failure is raised as usual; after it, every failure ends the stream with a terminal event.
+
+`Exchange.relay` passes a request through unchanged (`/v1/completions`, `/tokenize`, `/v1/models`,
+and `/v1/responses` with `is_responses_native`). A reply that is not read to its end is closed,
+which makes vLLM abort the generation: when the client leaves, when a stream fails, at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from .convert.boundary import Boundary
+from .convert.completions import (
+    CompletionChunks,
+    Rules,
+    check_chat_body,
+    render_raw,
+    template_kwargs,
+    to_chat_completion,
+    to_completions_body,
+)
+from .convert.reply import ChatReply, attach_tokens, chat_answer, empty_completion, to_response
+from .convert.stream import ChatStream, ResponsesStream
+from .convert.tokens import TokenInfo, from_reply, prompt_ids_from_tokenize, tokenize_body
+from .errors import (
+    AnswerLocally,
+    ContextOverflow,
+    GymproxyError,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamStatus,
+    describe,
+)
+from .fleet import Fleet, Sent, Upstream, read
+from .http1 import Aborted, ClientError
+from .overflow import is_context_overflow, status_error, upstream_message
+from .pinning import cookie_header
+from .schemas import ENCODER
+from .schemas.responses import ResponsesRequest
+from .sse import DONE, SSEDecoder, SSEError
+
+if TYPE_CHECKING:
+    from .config import Pinning
+    from .proxy import Proxy
+    from .templates import ChatTemplate
+
+log = logging.getLogger("gymproxy")
+
+JSON = "application/json"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE = b": keep-alive\n\n"
+SHUTTING_DOWN = "gymproxy is shutting down"
+
+# Upstream troubles after the status line: a stream is ended with its terminal error event.
+READ_ERRORS = (
+    asyncio.TimeoutError,
+    ClientError,
+    SSEError,
+    msgspec.DecodeError,
+    orjson.JSONDecodeError,
+    GymproxyError,
+)
+
+
+class Caller:
+    """What the route layer knows of one client request: its id, the pin cookie and session key it
+    came with, and the pin its response must set (the fleet's choice for a new session)."""
+
+    __slots__ = ("request_id", "cookie", "key", "pin", "route", "start", "_pinning")
+
+    def __init__(
+        self, request_id: str, cookie: str | None, key: str | None, route: str, start: float, pinning: Pinning
+    ) -> None:
+        self.request_id = request_id
+        self.cookie = cookie
+        self.key = key
+        self.pin: str | None = None
+        self.route = route  # for metrics
+        self.start = start  # loop time the request arrived
+        self._pinning = pinning
+
+    def stamp(self, response: web.StreamResponse) -> None:
+        """The headers every response carries: the request id, and a new session's pin cookie.
+        Call before the response is prepared."""
+        response.headers["X-Request-Id"] = self.request_id
+        if self.pin is not None:
+            pinning = self._pinning
+            response.headers.add("Set-Cookie", cookie_header(pinning.cookie_name, self.pin, pinning.max_age))
+
+
+# --- the two sides of an exchange ------------------------------------------------------------------
+
+
+class Translator(Protocol):
+    """A client stream format (`convert.stream`): upstream SSE payloads in, the client's frames out."""
+
+    ended: bool
+
+    def start(self) -> bytes: ...
+    def payload(self, payload: bytes) -> bytes: ...
+    def finish(self, tokens: TokenInfo | None = None) -> bytes: ...
+    def fail(self, message: str) -> bytes: ...
+    def answer_locally(self, finish_reason: str) -> bytes: ...
+
+
+class Backend(Protocol):
+    """How vLLM is asked, and how its replies become chat form."""
+
+    route: str  # the fleet's route: "chat" or "completions"
+    reasoning: bool  # replies may carry vLLM's reasoning fields
+    continued: bool  # the request continues the final assistant turn (known once prepared)
+
+    async def prepare(self) -> bytes: ...
+    def reply(self, payload: bytes, source: str) -> ChatReply: ...
+    def adapter(self) -> Callable[[bytes], bytes] | None: ...
+    def tokens(self, reply: ChatReply) -> TokenInfo: ...
+    def stream_tokens(self, stream: ResponsesStream) -> TokenInfo: ...
+    def tokenize_body(self) -> dict[str, Any]: ...
+
+
+class Answer(Protocol):
+    """How the client is answered, from the upstream's reply in chat form."""
+
+    model: str | None
+
+    def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes: ...
+    def stream(self, *, continued: bool, reasoning: bool) -> Translator: ...
+
+
+class ChatBackend:
+    """vLLM's chat API: the body goes through the boundary rules (spec 6); replies are chat already."""
+
+    route = "chat"
+    reasoning = True
+
+    def __init__(self, boundary: Boundary, body: dict[str, Any], *, built: bool = False) -> None:
+        self.boundary = boundary
+        self.body = body
+        self.built = built
+        self.continued = False
+
+    async def prepare(self) -> bytes:
+        body = self.body = self.boundary.prepare(self.body, built=self.built)
+        self.continued = body.get("continue_final_message") is True
+        return ENCODER.encode(body)
+
+    def reply(self, payload: bytes, source: str) -> ChatReply:
+        return ChatReply(payload, source)
+
+    def adapter(self) -> None:
+        return None  # vLLM's chunks are chat chunks
+
+    def tokens(self, reply: ChatReply) -> TokenInfo:
+        return from_reply(reply.mapping())
+
+    def stream_tokens(self, stream: ResponsesStream) -> TokenInfo:
+        return from_reply(stream.token_reply())
+
+    def tokenize_body(self) -> dict[str, Any]:
+        return tokenize_body(self.body)
+
+
+class CompletionsBackend:
+    """vLLM's completions API (`use_completions_api`, spec 10): the chat body is rendered to one prompt,
+    and every reply or streamed chunk is wrapped back into chat form."""
+
+    route = "completions"
+    reasoning = False
+    continued = False
+
+    def __init__(
+        self,
+        rules: Rules,
+        template: ChatTemplate | None,
+        warn: Callable[[str], None],
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        chat_client: bool,
+    ) -> None:
+        self.rules = rules
+        self.template = template
+        self.warn = warn
+        self.body = body
+        self.stream = stream
+        self.chat_client = chat_client  # a chat client gets the usage chunk only if it asked, as from vLLM
+        self.completion_body: dict[str, Any] = {}
+        self.chunks = CompletionChunks(rules.model)
+
+    async def prepare(self) -> bytes:
+        body = self.body
+        if self.stream:
+            body["stream"] = True
+        if check_chat_body(body, rendered=self.rules.render_chat_template):
+            self.warn("use_completions_api is true")
+        if self.template is None:
+            prompt = render_raw(body["messages"])
+        else:
+            kwargs = template_kwargs(self.rules.chat_template_kwargs, body.get("metadata"))
+            # Templates are Jinja run in Python: keep them off the event loop.
+            prompt = await asyncio.to_thread(self.template.render, body["messages"], body.get("tools"), kwargs)
+        completion_body = self.completion_body = to_completions_body(body, self.rules, prompt)
+        if self.chat_client and self.stream:
+            if body.get("stream_options") is not None:
+                completion_body["stream_options"] = body["stream_options"]
+            else:
+                completion_body.pop("stream_options", None)
+        return ENCODER.encode(completion_body)
+
+    def reply(self, payload: bytes, source: str) -> ChatReply:
+        training = self.rules.return_token_id_information
+        chat = to_chat_completion(ChatReply(payload, source).mapping(), self.rules.model, training=training)
+        return ChatReply(None, source, chat)
+
+    def adapter(self) -> Callable[[bytes], bytes]:
+        chunks = self.chunks
+
+        def adapt(payload: bytes) -> bytes:
+            return ENCODER.encode(chunks.feed(orjson.loads(payload)))
+
+        return adapt
+
+    def tokens(self, reply: ChatReply) -> TokenInfo:
+        return _token_info(reply.mapping()["choices"][0]["message"])
+
+    def stream_tokens(self, stream: ResponsesStream) -> TokenInfo:
+        return _token_info(self.chunks.token_fields())
+
+    def tokenize_body(self) -> dict[str, Any]:
+        return tokenize_body(self.completion_body)
+
+
+def _token_info(fields: dict[str, Any]) -> TokenInfo:
+    """The completions backend's token fields (already checked) as `TokenInfo`."""
+    return TokenInfo(
+        prompt_token_ids=fields["prompt_token_ids"],
+        generation_token_ids=fields["generation_token_ids"],
+        generation_log_probs=fields["generation_log_probs"],
+    )
+
+
+class ChatAnswer:
+    """A `/v1/chat/completions` client: vLLM's chat form, reasoning folded into `<think>` (spec 7.1)."""
+
+    def __init__(self, model: str | None, *, parser: bool) -> None:
+        self.model = model
+        self.parser = parser
+
+    def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes:
+        return chat_answer(reply, tokens, parser=self.parser, continued=continued)
+
+    def stream(self, *, continued: bool, reasoning: bool) -> ChatStream:
+        return ChatStream(model=self.model, parser=self.parser, continued=continued, reasoning=reasoning)
+
+
+class ResponsesAnswer:
+    """A `/v1/responses` client: a Response (spec 8), or its event stream."""
+
+    def __init__(self, req: ResponsesRequest, model: str | None, *, parser: bool) -> None:
+        self.req = req
+        self.model = model
+        self.parser = parser
+
+    def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes:
+        response = to_response(reply.completion(), self.req, model=self.model, parser=self.parser, continued=continued)
+        if tokens is not None:
+            attach_tokens(response, tokens)
+        return ENCODER.encode(response)
+
+    def stream(self, *, continued: bool, reasoning: bool) -> ResponsesStream:
+        return ResponsesStream(self.req, model=self.model, parser=self.parser, continued=continued)
+
+
+# --- the exchange ----------------------------------------------------------------------------------
+
+
+class Exchange:
+    """One client request's trip: registered with its proxy while it runs, so shutdown can end it."""
+
+    __slots__ = ("proxy", "request", "caller", "fleet", "_sent", "_ending")
+
+    def __init__(self, proxy: Proxy, request: web.Request, caller: Caller) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.caller = caller
+        self.fleet: Fleet = proxy.fleet
+        self._sent: Sent | None = None
+        self._ending = False
+
+    async def serve(self, backend: Backend, answer: Answer, *, stream: bool) -> web.StreamResponse:
+        """Answer the client: locally, with the whole reply, or as a stream."""
+        exchanges = self.proxy.exchanges
+        exchanges.add(self)
+        try:
+            try:
+                data = await backend.prepare()
+                if stream:
+                    return await self._stream(backend, answer, data)
+                return await self._whole(backend, answer, data)
+            except AnswerLocally as local:
+                return await self._answer_locally(answer, local.finish_reason, stream=stream)
+        finally:
+            exchanges.discard(self)
+
+    async def relay(self, route: str, data: bytes | None, *, method: str = "POST") -> web.StreamResponse:
+        """Send `data` to the session's upstream and relay its status and body chunk by chunk."""
+        exchanges = self.proxy.exchanges
+        exchanges.add(self)
+        sent: Sent | None = None
+        try:
+            sent = await self._send(route, data, method)
+            reply = sent.reply
+            response = web.StreamResponse(status=reply.status)
+            response.content_type = reply.content_type
+            if reply.content_type == "text/event-stream":
+                response.headers.update(SSE_HEADERS)
+            self.caller.stamp(response)
+            await response.prepare(self.request)
+            try:
+                async for chunk in reply.iter_any():
+                    await response.write(chunk)
+            except (asyncio.TimeoutError, ClientError):
+                # The status line is gone: drop the connection so the client sees a cut body,
+                # never a complete-looking one.
+                if self.request.transport is not None:
+                    self.request.transport.close()
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            if sent is not None:
+                sent.release()
+            exchanges.discard(self)
+
+    def abort(self) -> None:
+        """Shutdown's grace is over: end this exchange now (a stream with its terminal event)."""
+        self._ending = True
+        if self._sent is not None:
+            self._sent.reply.abort(Aborted(SHUTTING_DOWN))
+
+    # --- the three ways ----------------------------------------------------------------------------
+
+    async def _whole(self, backend: Backend, answer: Answer, data: bytes) -> web.Response:
+        sent = await self._send(backend.route, data)
+        try:
+            reply = sent.reply
+            payload = await read(reply)
+            if reply.status == 200 and reply.content_type != JSON:
+                raise UpstreamError(
+                    f"the upstream {sent.upstream.url} answered 200 with {reply.content_type}, not JSON"
+                )
+        finally:
+            sent.release()
+        if reply.status != 200:
+            self._judge(reply.status, payload)
+        chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
+        tokens = None
+        if self.proxy.config.return_token_id_information:
+            tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
+        return web.Response(body=answer.whole(chat, tokens, continued=backend.continued), content_type=JSON)
+
+    async def _stream(self, backend: Backend, answer: Answer, data: bytes) -> web.StreamResponse:
+        sent = await self._send(backend.route, data)
+        try:
+            reply = sent.reply
+            if reply.status != 200:
+                self._judge(reply.status, await read(reply))
+            if reply.content_type != "text/event-stream":
+                raise UpstreamError(
+                    f"the upstream {sent.upstream.url} answered a streaming request with {reply.content_type}, "
+                    "not an event stream"
+                )
+            translator = answer.stream(continued=backend.continued, reasoning=backend.reasoning)
+            response = await self._prepare_stream()
+            async with SSEWriter(response, self._interval, self._first_byte) as writer:
+                tail = await self._translate(sent, backend, translator, writer)
+                if tail is not None:
+                    await writer.end(tail)
+            return response
+        finally:
+            sent.release()  # closed unless read to its end: vLLM stops generating
+
+    async def _translate(self, sent: Sent, backend: Backend, translator: Translator, writer: SSEWriter) -> bytes | None:
+        """Relay the upstream's stream through `translator`; the tail to end it with (None: the client left)."""
+        payloads = _Payloads(backend.adapter())
+        feed = translator.payload
+        out: list[bytes] = []
+        try:
+            head = translator.start()
+            if head:
+                await writer.write(head)
+            async for data in sent.reply.iter_any():
+                for payload in payloads.feed(data):
+                    out.append(feed(payload))
+                if out:
+                    frames = out[0] if len(out) == 1 else b"".join(out)
+                    out.clear()
+                    await writer.write(frames)
+            if not (payloads.done or translator.ended):
+                raise UpstreamError("the stream ended without [DONE]")
+            tokens = None
+            if self.proxy.config.return_token_id_information and isinstance(translator, ResponsesStream):
+                tokens = await self._tokens(sent.upstream, backend, backend.stream_tokens(translator))
+            return translator.finish(tokens)
+        except ClientGone:
+            sent.close()
+            return None
+        except Aborted as exc:
+            failure = str(exc)
+        except READ_ERRORS as exc:
+            failure = f"the upstream {sent.upstream.url} failed mid-stream: {describe(exc)}"
+        except Exception:  # a bug in gymproxy: the stream still ends with its terminal event
+            log.exception("unhandled error while relaying a stream")
+            failure = "internal error in gymproxy (see its log)"
+        sent.close()
+        # The frames of this read made before the failure go first: their sequence numbers are taken.
+        return b"".join(out) + translator.fail(failure)
+
+    async def _answer_locally(self, answer: Answer, finish_reason: str, *, stream: bool) -> web.StreamResponse:
+        if not stream:
+            reply = ChatReply(None, "gymproxy", empty_completion(answer.model, finish_reason))
+            return web.Response(body=answer.whole(reply, None, continued=False), content_type=JSON)
+        translator = answer.stream(continued=False, reasoning=False)
+        response = await self._prepare_stream()
+        async with SSEWriter(response, self._interval, self._first_byte) as writer:
+            await writer.end(translator.answer_locally(finish_reason))
+        return response
+
+    # --- plumbing ----------------------------------------------------------------------------------
+
+    async def _send(self, route: str, data: bytes | None, method: str = "POST") -> Sent:
+        caller = self.caller
+        sent = await self.fleet.send(
+            route, data, method=method, cookie=caller.cookie, key=caller.key, request_id=caller.request_id
+        )
+        if sent.pin is not None:
+            caller.pin = sent.pin
+        if self._ending:  # shutdown's grace ran out while this request waited for a connection
+            sent.close()
+            raise ShuttingDown(SHUTTING_DOWN)
+        self._sent = sent
+        return sent
+
+    def _judge(self, status: int, payload: bytes) -> NoReturn:
+        """An upstream error status: a context overflow answers locally (or is vLLM's own 400 when
+        propagating); any other error is raised with the upstream's status and message."""
+        if is_context_overflow(status, payload):
+            self.proxy.metrics.overflows += 1
+            if self.proxy.config.propagate_context_overflow_errors:
+                raise UpstreamStatus(status, upstream_message(payload), raw=payload)
+            raise ContextOverflow
+        raise status_error(status, payload)
+
+    async def _tokens(self, upstream: Upstream, backend: Backend, info: TokenInfo) -> TokenInfo:
+        """Training mode: the prompt ids from the same upstream's /tokenize when the reply had none."""
+        if info.prompt_token_ids is None:
+            data = ENCODER.encode(backend.tokenize_body())
+            status, payload = await self.fleet.call(upstream, "tokenize", data, request_id=self.caller.request_id)
+            if status != 200:
+                raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
+            info.prompt_token_ids = prompt_ids_from_tokenize(
+                ChatReply(payload, f"the upstream {upstream.url}").mapping()
+            )
+        return info
+
+    async def _prepare_stream(self) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        self.caller.stamp(response)  # headers go out with prepare(): the cookie must be on them
+        await response.prepare(self.request)
+        return response
+
+    @property
+    def _interval(self) -> float:
+        return self.proxy.config.stream_keepalive_s
+
+    def _first_byte(self, now: float) -> None:
+        self.proxy.metrics.ttfb.observe(self.caller.route, now - self.caller.start)
+
+
+class _Payloads:
+    """An upstream SSE body's data payloads, `[DONE]` noted, each adapted to a chat chunk if asked."""
+
+    __slots__ = ("_decoder", "_adapt", "done")
+
+    def __init__(self, adapt: Callable[[bytes], bytes] | None) -> None:
+        self._decoder = SSEDecoder()
+        self._adapt = adapt
+        self.done = False
+
+    def feed(self, data: bytes) -> Iterable[bytes]:
+        payloads = self._decoder.feed(data)
+        if DONE in payloads:
+            self.done = True
+            payloads = [payload for payload in payloads if payload != DONE]
+        return payloads if self._adapt is None else map(self._adapt, payloads)
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-stream."""
+
+
+class SSEWriter:
+    """A prepared event-stream response that sends `: keep-alive` while the upstream is silent.
+
+    Used as `async with`: the keep-alive timer lives exactly as long as the block, so a cancelled
+    handler, a client that left and an upstream that failed all stop it.
+    """
+
+    __slots__ = ("response", "interval", "loop", "last", "_first_byte", "_timer", "_pending")
+
+    def __init__(self, response: web.StreamResponse, interval: float, first_byte: Callable[[float], None]) -> None:
+        self.response = response
+        self.interval = interval
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()
+        self._first_byte: Callable[[float], None] | None = first_byte
+        self._timer: asyncio.TimerHandle | None = None
+        self._pending: asyncio.Future[None] | None = None
+
+    async def __aenter__(self) -> SSEWriter:
+        self._timer = self.loop.call_later(self.interval, self._tick)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+
+    async def write(self, data: bytes) -> None:
+        self.last = self.loop.time()
+        if self._first_byte is not None:
+            self._first_byte(self.last)
+            self._first_byte = None
+        try:
+            await self.response.write(data)
+        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
+            raise ClientGone from exc
+
+    async def end(self, tail: bytes) -> None:
+        """Write the stream's last frames and end the response; a client that left is no error."""
+        try:
+            await self.write(tail)
+            await self.response.write_eof()
+        except (ClientGone, ConnectionError):
+            pass
+
+    def _tick(self) -> None:
+        idle = self.loop.time() - self.last
+        if idle >= self.interval and (self._pending is None or self._pending.done()):
+            self.last = self.loop.time()
+            self._pending = asyncio.ensure_future(self._keepalive())
+            idle = 0
+        self._timer = self.loop.call_later(self.interval - idle, self._tick)
+
+    async def _keepalive(self) -> None:
+        try:
+            await self.response.write(KEEPALIVE)
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone; the relay loop finds out on its next write

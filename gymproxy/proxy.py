@@ -1,0 +1,74 @@
+"""One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
+exchanges in flight (so that shutdown can end them at the grace)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, TypeVar
+
+import msgspec
+
+from .config import Config
+from .convert import boundary, completions
+from .exchange import Exchange
+from .fleet import Fleet
+from .metrics import Metrics
+from .templates import ChatTemplate
+
+log = logging.getLogger("gymproxy")
+
+R = TypeVar("R", bound=msgspec.Struct)
+
+
+def rules(kind: type[R], config: Config) -> R:
+    """A `convert` rules object: the config keys it names, and nothing else of the config."""
+    values: dict[str, Any] = {name: getattr(config, name) for name in kind.__struct_fields__}
+    return kind(**values)
+
+
+class Proxy:
+    """One gymproxy instance; its routes are bound to it, so several can share one app."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.fleet = Fleet(config, self.metrics)
+        self.boundary = boundary.Boundary(rules(boundary.Rules, config))
+        self.completions = rules(completions.Rules, config) if config.use_completions_api else None
+        # The completions backend's chat template, loaded once; a bad tokenizer fails at startup.
+        self.template = (
+            ChatTemplate.load(config.tokenizer or config.model or "", trust_remote_code=config.trust_remote_code)
+            if config.render_chat_template
+            else None
+        )
+        self.exchanges: set[Exchange] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ending: asyncio.TimerHandle | None = None
+
+    async def start(self) -> None:
+        """Open the upstream client, log what each upstream says, and start the health checks."""
+        self.fleet.open()
+        self._tasks = [asyncio.ensure_future(self.fleet.probe()), asyncio.ensure_future(self.fleet.watch_health())]
+
+    def draining(self) -> None:
+        """Shutdown began: exchanges still running after `shutdown_grace_s` are ended then, each stream
+        with its terminal event (the listener has stopped taking connections)."""
+        grace = self.config.shutdown_grace_s
+        if self.exchanges:
+            log.info("shutting down: %d requests in flight get %g s to finish", len(self.exchanges), grace)
+        self._ending = asyncio.get_running_loop().call_later(grace, self.end_exchanges)
+
+    def end_exchanges(self) -> None:
+        if self.exchanges:
+            log.warning("shutdown grace over: ending %d requests still in flight", len(self.exchanges))
+        for exchange in list(self.exchanges):
+            exchange.abort()
+
+    async def close(self) -> None:
+        if self._ending is not None:
+            self._ending.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.fleet.client.close()

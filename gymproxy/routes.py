@@ -1,0 +1,294 @@
+"""The HTTP routes: where a request goes. Each route reads and decodes the client's body, plans the
+request, and hands it to one `Exchange`:
+
+POST /v1/responses          decode -> to_chat_body -> ChatBackend (boundary rules) -> ResponsesAnswer
+POST /v1/chat/completions   decode -> ChatBackend (boundary rules) -> ChatAnswer
+with use_completions_api    both plan a CompletionsBackend instead of the ChatBackend
+with is_responses_native    /v1/responses is relayed to the upstream's own, with the config applied
+GET  /v1/models, POST /v1/completions, POST /tokenize   relayed as they are
+GET  /health, /metrics      the fleet's state
+
+`bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
+rendered, the response stamped (request id, new pin) and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import orjson
+from aiohttp import streams, web
+
+from .config import Config
+from .convert.request import to_chat_body
+from .errors import BadRequest, BodyTimeout, Handler, PayloadTooLarge, Unauthorized, from_validation, render
+from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
+from .ids import hex32
+from .pinning import read_cookie
+from .proxy import Proxy
+from .schemas import ENCODER
+from .schemas.chat import ChatRequestView
+from .schemas.responses import REQUEST_DECODER, ResponsesRequest
+
+Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
+
+TOO_DEEP = "the request body is nested too deeply"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> Handler:
+    """An aiohttp handler for `route`: access check, request id, errors rendered, cookie and metrics."""
+    metrics = proxy.metrics
+    keys = [key.encode() for key in proxy.config.access.api_keys] if not open_route else []
+    refused = "a valid `Authorization: Bearer <key>` header is required"
+    pinning = proxy.config.pinning
+    cookie_name, session_header = pinning.cookie_name, pinning.session_header
+    loop_time = _loop_time
+
+    # One coroutine around the route: every await of a request passes through each layer.
+    async def served(request: web.Request) -> web.StreamResponse:
+        start = loop_time()
+        headers = request.headers
+        caller = Caller(
+            _request_id(headers.get("X-Request-Id")),
+            read_cookie(headers.get("Cookie"), cookie_name),
+            headers.get(session_header) or None,
+            path,
+            start,
+            pinning,
+        )
+        try:
+            if keys and not _authorized(request, keys):
+                raise Unauthorized(refused)
+            response = await route(proxy, request, caller)
+        except Exception as exc:
+            response = render(exc, request)
+        if not response.prepared:
+            caller.stamp(response)  # errors of a new session carry its cookie too
+        metrics.requests[(path, response.status)] += 1
+        metrics.duration.observe(path, loop_time() - start)
+        return response
+
+    served.__name__ = route.__name__
+    return served
+
+
+# --- the routes ------------------------------------------------------------------------------------
+
+
+async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
+    config = proxy.config
+    req = decode_responses(await read_body(request, config))
+    _add_user(caller, req.user, config)
+    stream = req.stream is True
+    answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser)
+    if proxy.completions is not None:
+        warn = proxy.boundary.warn_dropped_template_kwargs
+        backend: Backend = CompletionsBackend(
+            proxy.completions, proxy.template, warn, to_chat_body(req), stream=stream, chat_client=False
+        )
+    else:
+        body = to_chat_body(req, proxy.boundary)
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        backend = ChatBackend(proxy.boundary, body, built=True)
+    return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
+
+
+async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /v1/chat/completions`: vLLM's own API, with the boundary rules and reasoning folding."""
+    config = proxy.config
+    body = decode_chat(await read_body(request, config))
+    _add_user(caller, body.get("user"), config)
+    stream = body.get("stream") is True
+    model = config.model if config.model is not None else body.get("model")
+    answer = ChatAnswer(model, parser=config.uses_reasoning_parser)
+    if proxy.completions is not None:
+        warn = proxy.boundary.warn_dropped_template_kwargs
+        backend: Backend = CompletionsBackend(
+            proxy.completions, proxy.template, warn, body, stream=stream, chat_client=True
+        )
+    else:
+        backend = ChatBackend(proxy.boundary, body)
+    return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
+
+
+async def responses_native(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /v1/responses` with `is_responses_native`: the upstream speaks Responses itself (spec 11)."""
+    config = proxy.config
+    body = decode_object(await read_body(request, config))
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a JSON boolean", param="stream")
+    _add_user(caller, body.get("user"), config)
+    if config.model is not None:
+        body["model"] = config.model
+    if config.chat_template_kwargs is not None:
+        body["chat_template_kwargs"] = dict(config.chat_template_kwargs)
+    if config.extra_body:
+        body = {**config.extra_body, **body}
+    if config.sampling_overrides:
+        body.update(config.sampling_overrides)
+    return await Exchange(proxy, request, caller).relay("responses", ENCODER.encode(body))
+
+
+def relay(route: str) -> Route:
+    """A route that forwards the request body to `route` unchanged and streams the reply back."""
+
+    async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+        data = await read_body(request, proxy.config)
+        return await Exchange(proxy, request, caller).relay(route, data)
+
+    relayed.__name__ = f"relay_{route}"
+    return relayed
+
+
+async def models(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /v1/models`, answered by the (pinned) upstream."""
+    return await Exchange(proxy, request, caller).relay("models", None, method="GET")
+
+
+async def health(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /health`: 200 while at least one upstream is healthy, 503 otherwise; lists each upstream."""
+    states = proxy.fleet.states()
+    ok = any(state["healthy"] for state in states)
+    body = {"status": "ok" if ok else "unavailable", "upstreams": states}
+    return web.Response(body=ENCODER.encode(body), status=200 if ok else 503, content_type=JSON)
+
+
+async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /metrics` in the Prometheus text format."""
+    text = proxy.metrics.render(proxy.fleet.gauges())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+def _add_user(caller: Caller, user: Any, config: Config) -> None:
+    """The body's `user` keys a session for clients without cookies (when configured)."""
+    if caller.key is None and config.pinning.use_user_field and isinstance(user, str) and user:
+        caller.key = user
+
+
+# --- reading and decoding bodies -------------------------------------------------------------------
+
+
+async def read_body(request: web.Request, config: Config) -> bytes:
+    """The request body, refusing anything over `max_body_size` bytes (decoded) before reading it all,
+    and a body that stops arriving for `limits.client_body_timeout` seconds (408)."""
+    limit = config.max_body_size
+    content = request.content
+    length = request.content_length
+    plain = length is not None and "Content-Encoding" not in request.headers
+    if plain and length is not None and length > limit:
+        raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit} (max_body_size)")
+    watch = None if content.is_eof() else _BodyWatch(content, config.limits.client_body_timeout)
+    try:
+        if plain and length is not None:
+            return await content.readexactly(length)
+        # Chunked or compressed: Content-Length (if any) is not the size we get, so count as we go.
+        chunks = []
+        size = 0
+        async for chunk in content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes (max_body_size)")
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except asyncio.IncompleteReadError as exc:
+        raise BadRequest("the request body is shorter than its Content-Length") from exc
+    except web.RequestPayloadError as exc:  # bad chunking or an undecodable Content-Encoding
+        raise BadRequest(f"the request body cannot be read: {exc}") from exc
+    finally:
+        if watch is not None:
+            watch.stop()
+
+
+class _BodyWatch:
+    """Fails a body read with `BodyTimeout` once no byte arrived for `timeout` seconds (like nginx's
+    `client_body_timeout`, an idle timeout, not a limit on the whole upload)."""
+
+    __slots__ = ("content", "timeout", "seen", "timer")
+
+    def __init__(self, content: streams.StreamReader, timeout: float) -> None:
+        self.content = content
+        self.timeout = timeout
+        self.seen = content.total_bytes
+        self.timer = asyncio.get_running_loop().call_later(timeout, self._check)
+
+    def _check(self) -> None:
+        if self.content.total_bytes != self.seen:  # bytes came: wait another `timeout`
+            self.seen = self.content.total_bytes
+            self.timer = asyncio.get_running_loop().call_later(self.timeout, self._check)
+            return
+        message = f"the request body stopped arriving for {self.timeout:g} s (limits.client_body_timeout)"
+        self.content.set_exception(BodyTimeout(message))
+
+    def stop(self) -> None:
+        self.timer.cancel()
+
+
+def decode_responses(raw: bytes) -> ResponsesRequest:
+    try:
+        return REQUEST_DECODER.decode(raw)
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        error = from_validation(exc)
+        if "unknown field" in error.message and error.param and "." not in error.param and "[" not in error.param:
+            error.message += "; vLLM sampling extras go in metadata.extra_body (a JSON string)"
+        raise error from exc
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object")
+    return body
+
+
+def decode_chat(raw: bytes) -> dict[str, Any]:
+    body = decode_object(raw)
+    try:
+        msgspec.convert(body, ChatRequestView)
+    except RecursionError:
+        raise BadRequest(TOO_DEEP) from None
+    except msgspec.ValidationError as exc:
+        raise from_validation(exc) from exc
+    return body
+
+
+# --- access and ids --------------------------------------------------------------------------------
+
+
+def _authorized(request: web.Request, keys: list[bytes]) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    given = token.strip().encode()
+    ok = False
+    for key in keys:  # every key is compared, in constant time, so timing tells nothing
+        ok |= hmac.compare_digest(given, key)
+    return ok
+
+
+def _request_id(given: str | None) -> str:
+    """The client's X-Request-Id when it is sane, else a fresh one."""
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        return given
+    return hex32()
+
+
+def _loop_time() -> float:
+    return asyncio.get_running_loop().time()

@@ -1,0 +1,271 @@
+"""`gymproxy serve`'s process: the listening socket and its connection cap, signals, and the drain.
+
+The app runs on aiohttp's `AppRunner` with `handler_cancellation=True` (a client that leaves cancels
+its handler), behind a listener of gymproxy's own: a deep accept backlog (`limits.backlog`) for
+connection storms, and a cap on open client connections (`limits.max_client_connections`) past
+which a new connection is answered 503 at once, so stalled or abandoned clients cannot take the
+file descriptors that upstream connections and health checks need. On SIGTERM or SIGINT the
+listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
+ended (streams with their terminal event, see `Proxy.draining`). A plugin leaves all of this to
+its host app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+
+from aiohttp import web
+
+from . import __version__
+from .config import Config
+from .plugin import PROXIES, admin_app, create_app
+
+log = logging.getLogger("gymproxy")
+
+# aiohttp's own backstop after the grace: a handler still running then (one stuck writing to a
+# client that reads nothing) is cancelled.
+BACKSTOP_S = 5.0
+REFUSED_LINGER_S = 1.0  # how long a refused connection is read (and discarded) before it is closed
+# A young-generation collection runs once this many more container objects were made than freed.
+GC_THRESHOLD = 20_000
+_REFUSAL = (
+    b'{"error":{"message":"gymproxy is at its limit of open client connections (limits.max_client_connections)",'
+    b'"type":"upstream_error","param":null,"code":null}}'
+)
+REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL)
+)
+
+
+def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = False) -> None:
+    """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it."""
+    raise_open_files(config.limits.open_files)
+    loop = new_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(_serve(config, fake_port, reuse_port))
+    finally:
+        _cancel_tasks(loop)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> None:
+    loop = asyncio.get_running_loop()
+    app = create_app(config)
+    if fake_port is not None:
+        app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
+    if config.access.admin_port is not None:
+        app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
+    access_log = logging.getLogger("aiohttp.access") if config.access_log else None
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=access_log, shutdown_timeout=config.shutdown_grace_s + BACKSTOP_S
+    )
+    await runner.setup()
+    assert runner.server is not None
+    cap = ConnectionCap(runner.server, connection_limit(config))
+    listener = await loop.create_server(
+        cap.protocol, config.host, config.port, backlog=config.limits.backlog, reuse_port=reuse_port or None
+    )
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    tune_gc()
+    log.info(
+        "gymproxy %s listening on http://%s:%d (pid %d, at most %d client connections)",
+        __version__,
+        config.host,
+        config.port,
+        os.getpid(),
+        cap.limit,
+    )
+    try:
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        log.info("stopping: no new connections; requests in flight get %g s", config.shutdown_grace_s)
+        listener.close()
+        await runner.cleanup()  # app.on_shutdown starts the grace (Proxy.draining), then waits for handlers
+
+
+class ConnectionCap:
+    """Counts open client connections; past `limit`, a new one is answered 503 and closed."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self.server = server
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+        self._warned = False
+
+    def protocol(self) -> asyncio.Protocol:
+        """The protocol factory for `loop.create_server`."""
+        if self.open >= self.limit:
+            self.refused += 1
+            if not self._warned:
+                self._warned = True
+                log.warning("%d client connections open: refusing more with 503 (logged once)", self.open)
+            return _Refused()
+        self.open += 1
+        return _Counted(self.server(), self._closed)
+
+    def _closed(self) -> None:
+        self.open -= 1
+        if self.open < self.limit:
+            self._warned = False
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's connection handler, forwarded to, with its end counted."""
+
+    __slots__ = ("inner", "_closed")
+
+    def __init__(self, inner: Any, closed: Callable[[], None]) -> None:
+        self.inner = inner
+        self._closed = closed
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        result: bool | None = self.inner.eof_received()
+        return result
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed()
+        self.inner.connection_lost(exc)
+
+
+class _Refused(asyncio.Protocol):
+    """One connection past the cap: the 503 goes out at once, what the client sends is read and
+    dropped (closing with unread bytes would reset the connection before it reads the 503)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        stream = self.transport = cast(asyncio.Transport, transport)  # uvloop's are not its subclasses
+        stream.write(REFUSED)
+        if stream.can_write_eof():
+            stream.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, stream.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        self.transport.close()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.timer.cancel()
+
+
+def connection_limit(config: Config) -> int:
+    """`limits.max_client_connections`, or half the open-file limit: every client connection may
+    need an upstream connection too, and health checks and logs need a few more."""
+    if config.limits.max_client_connections is not None:
+        return config.limits.max_client_connections
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 4096
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(64, (soft - 128) // 2)
+
+
+def raise_open_files(target: int) -> None:
+    """Thousands of concurrent rollouts need thousands of sockets: raise `ulimit -n` where allowed."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open-file limit to %d: %s", wanted, exc)
+    if soft < target:
+        log.warning(
+            "open-file limit is %d (< %d): thousands of concurrent sessions may fail with 'Too many open files'; "
+            "raise it with `ulimit -n`",
+            soft,
+            target,
+        )
+
+
+def tune_gc() -> None:
+    """Make the cycle collector run when cyclic garbage builds up, not every other request.
+
+    A 30-item rollout request allocates hundreds of containers that reference counting frees.
+    With Python's default threshold (700) the in-flight ones alone set off a young collection
+    every few requests, and now and then a full one over every module object: 25-30 µs of CPU
+    per request (timed with `gc.callbacks`). Startup objects are frozen (never garbage), and the
+    threshold is raised well above what the requests in flight hold at a time, so collections
+    run when garbage cycles pile up. Only `gymproxy serve` does this: an application that mounts
+    gymproxy keeps its own settings.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop when it is installed (`pip install 'gymproxy[speed]'`), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        runner = web.AppRunner(admin_app(proxy), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.access.admin_port, reuse_port=reuse_port or None)
+        await site.start()
+        log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
+        yield
+        await runner.cleanup()
+
+    return lifetime
+
+
+def _fake_vllm(port: int, model: str) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        from .testing.fake_vllm import start
+
+        fake_runner = (await start("127.0.0.1", port, model))[1]
+        yield
+        await fake_runner.cleanup()
+
+    return lifetime
+
+
+def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
