@@ -11,10 +11,9 @@ GymproxyError                   500 server_error
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
 │   ├── NotConnected            502 upstream_error          (the connection never opened: safe to retry)
 │   └── UpstreamTimeout         504 upstream_error
-└── Unavailable                 503 upstream_error
+└── Unavailable                 503 upstream_error          (and: gymproxy is shutting down)
     ├── NoUpstream              (every upstream is down)
-    ├── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
-    └── ShuttingDown            (gymproxy is draining; retry elsewhere)
+    └── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
 
 Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
 """
@@ -153,10 +152,6 @@ class NoUpstream(Unavailable):
 
 class Saturated(Unavailable):
     """The upstream is at its configured concurrency cap and `when_full` is `reject`."""
-
-
-class ShuttingDown(Unavailable):
-    """gymproxy is shutting down and ended this request at the end of its grace period."""
 
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")

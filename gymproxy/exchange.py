@@ -43,7 +43,6 @@ from .errors import (
     AnswerLocally,
     ContextOverflow,
     GymproxyError,
-    ShuttingDown,
     UpstreamError,
     UpstreamStatus,
     describe,
@@ -66,7 +65,6 @@ log = logging.getLogger("gymproxy")
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
-SHUTTING_DOWN = "gymproxy is shutting down"
 
 # Upstream troubles after the status line: a stream is ended with its terminal error event.
 READ_ERRORS = (
@@ -292,40 +290,30 @@ class ResponsesAnswer:
 
 
 class Exchange:
-    """One client request's trip: registered with its proxy while it runs, so shutdown can end it."""
+    """One client request's trip to vLLM and back."""
 
-    __slots__ = ("proxy", "request", "caller", "fleet", "_sent", "_ending")
+    __slots__ = ("proxy", "request", "caller", "fleet")
 
     def __init__(self, proxy: Proxy, request: web.Request, caller: Caller) -> None:
         self.proxy = proxy
         self.request = request
         self.caller = caller
         self.fleet: Fleet = proxy.fleet
-        self._sent: Sent | None = None
-        self._ending = False
 
     async def serve(self, backend: Backend, answer: Answer, *, stream: bool) -> web.StreamResponse:
         """Answer the client: locally, with the whole reply, or as a stream."""
-        exchanges = self.proxy.exchanges
-        exchanges.add(self)
         try:
-            try:
-                data = await backend.prepare()
-                if stream:
-                    return await self._stream(backend, answer, data)
-                return await self._whole(backend, answer, data)
-            except AnswerLocally as local:
-                return await self._answer_locally(answer, local.finish_reason, stream=stream)
-        finally:
-            exchanges.discard(self)
+            data = await backend.prepare()
+            if stream:
+                return await self._stream(backend, answer, data)
+            return await self._whole(backend, answer, data)
+        except AnswerLocally as local:
+            return await self._answer_locally(answer, local.finish_reason, stream=stream)
 
     async def relay(self, route: str, data: bytes | None, *, method: str = "POST") -> web.StreamResponse:
         """Send `data` to the session's upstream and relay its status and body chunk by chunk."""
-        exchanges = self.proxy.exchanges
-        exchanges.add(self)
-        sent: Sent | None = None
+        sent = await self._send(route, data, method)
         try:
-            sent = await self._send(route, data, method)
             reply = sent.reply
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
@@ -345,15 +333,7 @@ class Exchange:
             await response.write_eof()
             return response
         finally:
-            if sent is not None:
-                sent.release()
-            exchanges.discard(self)
-
-    def abort(self) -> None:
-        """Shutdown's grace is over: end this exchange now (a stream with its terminal event)."""
-        self._ending = True
-        if self._sent is not None:
-            self._sent.reply.abort(Aborted(SHUTTING_DOWN))
+            sent.release()
 
     # --- the three ways ----------------------------------------------------------------------------
 
@@ -422,7 +402,7 @@ class Exchange:
         except ClientGone:
             sent.close()
             return None
-        except Aborted as exc:
+        except Aborted as exc:  # the shutdown's grace is over
             failure = str(exc)
         except READ_ERRORS as exc:
             failure = f"the upstream {sent.upstream.url} failed mid-stream: {describe(exc)}"
@@ -452,10 +432,6 @@ class Exchange:
         )
         if sent.pin is not None:
             caller.pin = sent.pin
-        if self._ending:  # shutdown's grace ran out while this request waited for a connection
-            sent.close()
-            raise ShuttingDown(SHUTTING_DOWN)
-        self._sent = sent
         return sent
 
     def _judge(self, status: int, payload: bytes) -> NoReturn:

@@ -21,7 +21,16 @@ from typing import Any
 from yarl import URL
 
 from .config import Config, UpstreamSpec, upstream_specs
-from .errors import NotConnected, NoUpstream, Saturated, Unavailable, UpstreamError, UpstreamTimeout, describe
+from .errors import (
+    GymproxyError,
+    NotConnected,
+    NoUpstream,
+    Saturated,
+    Unavailable,
+    UpstreamError,
+    UpstreamTimeout,
+    describe,
+)
 from .http1 import Aborted, CannotConnect, Client, ClientError, Reply
 from .metrics import Metrics, label
 from .pinning import Pinner, Signer
@@ -239,7 +248,9 @@ class Fleet:
             self.mark(upstream, True)  # it answered: whatever the last check said, it is up
         return reply
 
-    def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> UpstreamError:
+    def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> GymproxyError:
+        if isinstance(exc, Aborted):  # the client was stopped (shutdown): the reason is the message
+            return Unavailable(str(exc))
         if isinstance(exc, CannotConnect):
             self.mark(upstream, False, f"cannot connect: {describe(exc)}")
             return NotConnected(f"cannot reach upstream {shown(url)}: {describe(exc)}")

@@ -14,7 +14,7 @@ Replies are framed by `httptools.HttpResponseParser` (llhttp, strict mode), fed 
 
 Every failure is a `ClientError`: `CannotConnect` (the request was never sent), `ConnectTimeout` and
 `ReadTimeout` (both also `TimeoutError`s), `BadReply` (the connection broke or the upstream broke
-HTTP), or the `Aborted` reason its owner gave. A connection is reused only after a reply that was
+HTTP), or the `Aborted` reason given to `Reply.abort` or `Client.abort` (shutdown). A connection is reused only after a reply that was
 read to its end, framed cleanly, and followed by nothing: a byte that arrives on a connection with no
 reply in progress closes it, so no reply is ever read as the answer to another request.
 """
@@ -382,7 +382,7 @@ class Reply:
         if conn is not None:
             conn.reply = None
             conn.close()
-            self._client._returned(conn, reuse=False)
+            self._client._returned(conn, self, reuse=False)
 
     def release(self) -> None:
         """Give the connection back: to the pool if the body was read to its end, else closed."""
@@ -392,7 +392,7 @@ class Reply:
             reuse = self._complete and self._keep and self._error is None and not self._pieces and not conn.closed
             if not reuse:
                 conn.close()
-            self._client._returned(conn, reuse=reuse)
+            self._client._returned(conn, self, reuse=reuse)
 
     async def __aenter__(self) -> Reply:
         return self
@@ -424,6 +424,8 @@ class Client:
         self._sweeper: asyncio.TimerHandle | None = None
         self._tls = tls
         self._closed = False
+        self._replies: set[Reply] = set()  # in progress: what `abort` ends
+        self._aborted: Aborted | None = None
 
     async def request(
         self,
@@ -435,6 +437,8 @@ class Client:
         """Send one request and read the reply's status line and headers."""
         if self._closed:
             raise CannotConnect("the client is closed")
+        if self._aborted is not None:
+            raise Aborted(str(self._aborted))
         if method == "HEAD":
             raise ValueError("gymproxy's upstream client does not send HEAD requests")
         head = _head(method, url, headers, body)
@@ -449,6 +453,7 @@ class Client:
         self.in_use += 1
         reply = Reply(self, conn, url)
         conn.reply = reply
+        self._replies.add(reply)
         try:
             assert conn.transport is not None
             if body:
@@ -492,7 +497,14 @@ class Client:
             raise CannotConnect(f"cannot connect to {host}:{port}: {exc}") from exc
         return conn
 
-    def _returned(self, conn: _Connection, *, reuse: bool) -> None:
+    def abort(self, reason: Aborted) -> None:
+        """End every reply in progress (a reader raises `reason`) and refuse new requests with it."""
+        self._aborted = reason
+        for reply in list(self._replies):
+            reply.abort(reason)
+
+    def _returned(self, conn: _Connection, reply: Reply, *, reuse: bool) -> None:
+        self._replies.discard(reply)
         self.in_use -= 1
         if self._slots is not None:
             self._slots.release()

@@ -36,7 +36,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
         await proxy.close()
 
     async def draining(_: web.Application) -> None:
-        proxy.draining()
+        proxy.draining(then=routes.end_waiting_bodies)
 
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(draining)

@@ -1,24 +1,26 @@
 """One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
-exchanges in flight (so that shutdown can end them at the grace)."""
+end of its upstream requests when a shutdown's grace is over."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 
 from .config import Config
 from .convert import boundary, completions
-from .exchange import Exchange
 from .fleet import Fleet
+from .http1 import Aborted
 from .metrics import Metrics
 from .templates import ChatTemplate
 
 log = logging.getLogger("gymproxy")
 
 R = TypeVar("R", bound=msgspec.Struct)
+SHUTTING_DOWN = "gymproxy is shutting down"
 
 
 def rules(kind: type[R], config: Config) -> R:
@@ -42,7 +44,6 @@ class Proxy:
             if config.render_chat_template
             else None
         )
-        self.exchanges: set[Exchange] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._ending: asyncio.TimerHandle | None = None
 
@@ -51,19 +52,20 @@ class Proxy:
         self.fleet.open()
         self._tasks = [asyncio.ensure_future(self.fleet.probe()), asyncio.ensure_future(self.fleet.watch_health())]
 
-    def draining(self) -> None:
-        """Shutdown began: exchanges still running after `shutdown_grace_s` are ended then, each stream
-        with its terminal event (the listener has stopped taking connections)."""
+    def draining(self, *, then: Callable[[], None] = lambda: None) -> None:
+        """Shutdown began: upstream requests still running after `shutdown_grace_s` are ended then,
+        and no new one starts, so each stream ends with its terminal event and a whole reply with a
+        503 (the listener has stopped taking connections); `then` runs at the same time."""
         grace = self.config.shutdown_grace_s
-        if self.exchanges:
-            log.info("shutting down: %d requests in flight get %g s to finish", len(self.exchanges), grace)
-        self._ending = asyncio.get_running_loop().call_later(grace, self.end_exchanges)
+        if self.fleet.client.in_use:
+            log.info("shutting down: %d upstream requests in flight get %g s", self.fleet.client.in_use, grace)
+        self._ending = asyncio.get_running_loop().call_later(grace, self.end_requests, then)
 
-    def end_exchanges(self) -> None:
-        if self.exchanges:
-            log.warning("shutdown grace over: ending %d requests still in flight", len(self.exchanges))
-        for exchange in list(self.exchanges):
-            exchange.abort()
+    def end_requests(self, then: Callable[[], None] = lambda: None) -> None:
+        if self.fleet.client.in_use:
+            log.warning("shutdown grace over: ending %d upstream requests in flight", self.fleet.client.in_use)
+        self.fleet.client.abort(Aborted(SHUTTING_DOWN))
+        then()
 
     async def close(self) -> None:
         if self._ending is not None:

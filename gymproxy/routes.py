@@ -200,6 +200,8 @@ async def read_body(request: web.Request, config: Config) -> bytes:
                 raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes (max_body_size)")
             chunks.append(chunk)
         return b"".join(chunks)
+    except _Stalled as exc:
+        raise BodyTimeout(str(exc)) from None
     except asyncio.IncompleteReadError as exc:
         raise BadRequest("the request body is shorter than its Content-Length") from exc
     except web.RequestPayloadError as exc:  # bad chunking or an undecodable Content-Encoding
@@ -209,28 +211,64 @@ async def read_body(request: web.Request, config: Config) -> bytes:
             watch.stop()
 
 
-class _BodyWatch:
-    """Fails a body read with `BodyTimeout` once no byte arrived for `timeout` seconds (like nginx's
-    `client_body_timeout`, an idle timeout, not a limit on the whole upload)."""
+class _Stalled(asyncio.TimeoutError):
+    """Set on a request body that stopped arriving. A TimeoutError, because aiohttp reads what is left
+    of the body after the response (its lingering close) and lets only timeouts end that quietly."""
 
-    __slots__ = ("content", "timeout", "seen", "timer")
+
+class _BodyWatch:
+    """Fails a body read once no byte arrived for `timeout` seconds (like nginx's
+    `client_body_timeout`, an idle timeout, not a limit on the whole upload).
+
+    The watches of the bodies being read are kept in arrival order, so that a listener at its cap
+    on connections can end the longest-stalled one (`end_stalled_body`) instead of refusing a client.
+    """
+
+    __slots__ = ("content", "timeout", "seen", "since", "timer")
+    waiting: dict[_BodyWatch, None] = {}  # this process's bodies being read, oldest first
 
     def __init__(self, content: streams.StreamReader, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
         self.content = content
         self.timeout = timeout
         self.seen = content.total_bytes
-        self.timer = asyncio.get_running_loop().call_later(timeout, self._check)
+        self.since = loop.time()  # when the last byte was seen to arrive (as of the last check)
+        self.timer = loop.call_later(timeout, self._check)
+        _BodyWatch.waiting[self] = None
 
     def _check(self) -> None:
         if self.content.total_bytes != self.seen:  # bytes came: wait another `timeout`
+            loop = asyncio.get_running_loop()
             self.seen = self.content.total_bytes
-            self.timer = asyncio.get_running_loop().call_later(self.timeout, self._check)
+            self.since = loop.time()
+            self.timer = loop.call_later(self.timeout, self._check)
             return
-        message = f"the request body stopped arriving for {self.timeout:g} s (limits.client_body_timeout)"
-        self.content.set_exception(BodyTimeout(message))
+        self.expire(f"the request body stopped arriving for {self.timeout:g} s (limits.client_body_timeout)")
+
+    def expire(self, message: str) -> None:
+        self.timer.cancel()
+        _BodyWatch.waiting.pop(self, None)
+        self.content.set_exception(_Stalled(message))
 
     def stop(self) -> None:
         self.timer.cancel()
+        _BodyWatch.waiting.pop(self, None)
+
+
+def end_waiting_bodies() -> None:
+    """Shutdown's grace is over: every body still being read is refused (408)."""
+    for watch in list(_BodyWatch.waiting):
+        watch.expire("gymproxy is shutting down and the request body had not arrived")
+
+
+def end_stalled_body(idle: float) -> bool:
+    """End (408) the body read that has waited longest with no byte for at least `idle` seconds."""
+    now = asyncio.get_running_loop().time()
+    for watch in _BodyWatch.waiting:
+        if watch.content.total_bytes == watch.seen and now - watch.since >= idle:
+            watch.expire("the request body stalled while gymproxy was at its limit of client connections")
+            return True
+    return False
 
 
 def decode_responses(raw: bytes) -> ResponsesRequest:

@@ -25,6 +25,7 @@ from aiohttp import web
 from . import __version__
 from .config import Config
 from .plugin import PROXIES, admin_app, create_app
+from .routes import end_stalled_body
 
 log = logging.getLogger("gymproxy")
 
@@ -32,6 +33,8 @@ log = logging.getLogger("gymproxy")
 # client that reads nothing) is cancelled.
 BACKSTOP_S = 5.0
 REFUSED_LINGER_S = 1.0  # how long a refused connection is read (and discarded) before it is closed
+# At the cap, a request body silent this long is ended (408) to make room for a new connection.
+STALLED_S = 1.0
 # A young-generation collection runs once this many more container objects were made than freed.
 GC_THRESHOLD = 20_000
 _REFUSAL = (
@@ -97,7 +100,8 @@ async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> Non
 
 
 class ConnectionCap:
-    """Counts open client connections; past `limit`, a new one is answered 503 and closed."""
+    """Counts open client connections; past `limit`, a new one is answered 503 and closed, unless a
+    connection whose request body has stalled can be ended (408) to make room for it."""
 
     def __init__(self, server: web.Server, limit: int) -> None:
         self.server = server
@@ -108,7 +112,7 @@ class ConnectionCap:
 
     def protocol(self) -> asyncio.Protocol:
         """The protocol factory for `loop.create_server`."""
-        if self.open >= self.limit:
+        if self.open >= self.limit and not end_stalled_body(STALLED_S):
             self.refused += 1
             if not self._warned:
                 self._warned = True
@@ -197,6 +201,12 @@ def raise_open_files(target: int) -> None:
     except ImportError:  # not on this platform
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < target:
+        try:  # allowed to a privileged process (CAP_SYS_RESOURCE), as a container's root often is
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, target))
+            hard = target
+        except (ValueError, OSError):
+            pass
     wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft < wanted:
         try:

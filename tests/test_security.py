@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
+import base64
 
 import aiohttp
 import orjson
 import pytest
 
 from gymproxy.testing.fake_vllm import Script
+
+from .served import Served
 
 SECRET_KEY = "sk-UPSTREAM-SECRET-123"
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -84,6 +81,37 @@ async def test_upstream_key_never_leaks(start_proxy, fake_vllm, unused_tcp_port_
     assert last_generation(fake_vllm).headers["Authorization"] == f"Bearer {SECRET_KEY}"
 
 
+async def test_credentials_in_an_upstream_url_are_never_shown(fake_vllm, tmp_path, unused_tcp_port_factory):
+    """`http://user:pass@host/v1`: basic auth upstream, and the URL without its user info everywhere
+    else: the startup log, /health, /metrics, 502 and 503 bodies, and the pin cookie (which names
+    its upstream)."""
+    secret = "s3cret-PASSWORD"
+    live = fake_vllm.url.replace("http://", f"http://gym:{secret}@")
+    dead = f"http://gym:{secret}@127.0.0.1:{unused_tcp_port_factory()}/v1"
+    seen: list[bytes] = []
+    async with Served(tmp_path, {"base_url": [live, dead], "pinning": {"secret": "s"}}) as fleet:
+        for path in ("/health", "/metrics"):
+            seen.append((await call(fleet.url, path, None))[2])
+        for i in range(6):  # new sessions on both upstreams: the dead one fails over to the live one
+            status, headers, raw = await call(fleet.url, **{"X-Session-ID": f"session-{i}"})
+            assert status == 200, raw
+            seen.append(raw + headers.get("Set-Cookie", "").encode())
+            pin = headers["Set-Cookie"].partition("=")[2].partition(";")[0]
+            seen.append(base64.urlsafe_b64decode(pin.partition(".")[0] + "==="))  # the upstream it names
+        seen.append((await call(fleet.url, "/metrics", None))[2])  # now with per-upstream counters
+        fleet_log = fleet.log
+    async with Served(tmp_path, {"base_url": [dead]}) as alone:
+        status, _, raw = await call(alone.url)
+        assert status == 502 and b"127.0.0.1" in raw
+        seen.append(raw)
+        alone_log = alone.log
+    for text in (*seen, fleet_log.encode(), alone_log.encode()):
+        assert secret.encode() not in text and b"gym:" not in text, text[:400]
+    assert "upstream http://127.0.0.1:" in fleet_log  # the URLs are logged, just without credentials
+    token = base64.b64encode(f"gym:{secret}".encode()).decode()
+    assert last_generation(fake_vllm).headers["Authorization"] == f"Basic {token}"
+
+
 async def test_client_headers_are_not_forwarded(start_proxy, fake_vllm):
     url = await start_proxy(api_key="upstream")
     hostile = {
@@ -151,130 +179,3 @@ async def test_oversized_headers_are_refused_cleanly(proxy_url):
     await writer.wait_closed()
     assert line.split()[1] in (b"400", b"431")
     assert (await call(proxy_url, "/health", None))[0] == 200
-
-
-def test_open_file_limit_is_raised():
-    import resource
-
-    from gymproxy.server import raise_open_files
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = soft + 1 if hard == resource.RLIM_INFINITY or soft < hard else soft
-    try:
-        raise_open_files(target)
-        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= target
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def test_serve_freezes_startup_objects_and_collects_cycles_rarely():
-    import gc
-
-    from gymproxy.server import GC_THRESHOLD, tune_gc
-
-    before = gc.get_threshold()
-    try:
-        tune_gc()
-        assert gc.get_threshold() == (GC_THRESHOLD, *before[1:])
-        assert gc.get_freeze_count() > 1000  # the modules gymproxy imported
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
-
-
-# --- the CLI: admin port and graceful shutdown --------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def _wait_up(url: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            try:
-                async with session.get(url) as r:
-                    if r.status < 500:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never came up")
-
-
-def _wait_exit(process: subprocess.Popen, timeout: float) -> str:
-    """Its stderr once it has exited; killed if it has not within `timeout` seconds."""
-    try:
-        _, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, stderr = process.communicate(timeout=15)
-    return stderr.decode()
-
-
-async def test_admin_port_and_graceful_shutdown(fake_vllm, tmp_path):
-    port, admin = _free_port(), _free_port()
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        f"base_url: {fake_vllm.url}\nport: {port}\naccess:\n  admin_port: {admin}\nshutdown_grace_s: 10\n"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gymproxy", "serve", "--config", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        await _wait_up(f"http://127.0.0.1:{admin}/health")
-        assert (await call(f"http://127.0.0.1:{admin}", "/health", None))[0] == 200
-        assert (await call(f"http://127.0.0.1:{admin}", "/metrics", None))[0] == 200
-        assert (await call(f"http://127.0.0.1:{port}", "/health", None))[0] == 404
-        # A stream in flight when SIGTERM arrives still finishes.
-        fake_vllm.push(Script(content="one two three four five six", chunk_delay=0.2))
-        body = {"model": "m", "input": "x", "stream": True}
-        stream = asyncio.ensure_future(call(f"http://127.0.0.1:{port}", "/v1/responses", body))
-        await asyncio.sleep(0.4)
-        started = time.monotonic()
-        process.send_signal(signal.SIGTERM)
-        status, _, raw = await asyncio.wait_for(stream, 20)
-        assert status == 200
-        assert b"event: response.completed" in raw and b"one two three four five six" in raw.replace(b'","', b"")
-        assert time.monotonic() - started < 10
-    finally:
-        stderr = _wait_exit(process, 15)
-    assert process.returncode == 0, stderr
-    assert not os.path.exists(f"/proc/{process.pid}")
-
-
-async def test_workers_finish_their_streams_on_sigterm(fake_vllm, tmp_path):
-    """Each worker drains its own streams; one that stops first does not cut the others short.
-
-    The streams have different lengths, so the two workers finish draining at different times.
-    """
-    port = _free_port()
-    config = tmp_path / "c.yaml"
-    config.write_text(f"base_url: {fake_vllm.url}\nport: {port}\nshutdown_grace_s: 10\n")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gymproxy", "serve", "--config", str(config), "--workers", "2"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        await _wait_up(f"http://127.0.0.1:{port}/health")
-        await asyncio.sleep(1.0)  # the second worker is listening too
-        texts = [" ".join(f"w{i}x{j}" for j in range(3 + 2 * i)) for i in range(8)]
-        fake_vllm.push(*(Script(content=text, chunk_delay=0.15) for text in texts))
-        body = {"model": "m", "input": "x", "stream": True}
-        # One connection each (`call` opens a session per request): the kernel spreads them over both workers.
-        streams = [asyncio.ensure_future(call(f"http://127.0.0.1:{port}", "/v1/responses", body)) for _ in texts]
-        await asyncio.sleep(0.3)
-        process.send_signal(signal.SIGTERM)
-        replies = await asyncio.wait_for(asyncio.gather(*streams), 30)
-        finished = sorted(text for text in texts for _, _, raw in replies if orjson.dumps(text) in raw)
-        assert [status for status, _, _ in replies] == [200] * len(texts)
-        assert all(b"event: response.completed" in raw for _, _, raw in replies), replies
-        assert finished == sorted(texts)
-    finally:
-        stderr = _wait_exit(process, 30)
-    assert process.returncode == 0, stderr

@@ -1,0 +1,296 @@
+"""gymproxy.server: what `gymproxy serve` does around the app, tested on the real command.
+
+The listener (its backlog, the cap on client connections and the 503 past it), the request-body
+idle timeout, and the drain at shutdown: requests in flight get `shutdown_grace_s`, and those still
+running then end properly (a stream with its terminal event, a whole reply with a 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gymproxy.testing.fake_vllm import Script
+
+from .faults import sse_data
+from .served import Served, free_port
+
+WORDS = " ".join(f"w{i}" for i in range(60))
+
+
+async def _raw(url: str, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    await writer.drain()
+    return reader, writer
+
+
+def _post(path: str, body: bytes, *, length: int | None = None) -> bytes:
+    size = len(body) if length is None else length
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: gymproxy\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    ).encode() + body
+
+
+async def _first_bytes(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> tuple[int, bytes]:
+    """A stream read to its end; the status and everything it sent."""
+    async with session.post(url + path, json=body) as response:
+        return response.status, await response.read()
+
+
+# --- the drain at shutdown ---------------------------------------------------------------------------
+
+
+async def test_streams_longer_than_the_grace_end_then_with_their_terminal_event(fake_vllm, tmp_path):
+    config = {"base_url": fake_vllm.url, "shutdown_grace_s": 1.0, "stream_keepalive_s": 0.2}
+    async with Served(tmp_path, config) as served:
+        # Every reply takes 60 x 0.2 s = 12 s, far longer than the grace.
+        fake_vllm.push(*(Script(content=WORDS, chunk_delay=0.2) for _ in range(5)))
+        async with aiohttp.ClientSession() as session:
+            streams = [
+                asyncio.ensure_future(_first_bytes(session, served.url, path, body))
+                for path, body in [
+                    ("/v1/responses", {"model": "m", "input": "x", "stream": True}),
+                    ("/v1/responses", {"model": "m", "input": "x", "stream": True}),
+                    (
+                        "/v1/chat/completions",
+                        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+                    ),
+                    (
+                        "/v1/chat/completions",
+                        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+                    ),
+                    ("/v1/responses", {"model": "m", "input": "x"}),  # a whole reply in flight
+                ]
+            ]
+            for _ in range(100):
+                if len(fake_vllm.requests) >= 5 + 1:  # the five generations (and the startup probe)
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            stopped = time.monotonic()
+            served.terminate()
+            replies = await asyncio.wait_for(asyncio.gather(*streams), 10)
+            ended = time.monotonic() - stopped
+        code = await served.wait(10)
+    assert code == 0, served.log[-2000:]
+    assert 0.9 < ended < 3.0, ended  # at the grace, not twice the grace, not never
+    for status, raw in replies[:2]:
+        events = [orjson.loads(d) for d in sse_data(raw)]
+        assert status == 200 and events[0]["type"] == "response.created"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert events[-1]["type"] == "response.failed", events[-1]
+        assert events[-1]["response"]["error"]["message"] == "gymproxy is shutting down"
+        assert any(e["type"] == "response.output_text.delta" for e in events)  # it was streaming
+    for status, raw in replies[2:4]:
+        data = sse_data(raw)
+        assert status == 200 and data[-1] == b"[DONE]"
+        assert orjson.loads(data[-2])["error"]["message"] == "gymproxy is shutting down"
+    status, raw = replies[4]
+    assert status == 503 and orjson.loads(raw)["error"]["message"] == "gymproxy is shutting down"
+    assert len(fake_vllm.disconnects) == 5  # every generation was aborted upstream
+
+
+async def test_a_stream_that_finishes_within_the_grace_completes(fake_vllm, tmp_path):
+    async with Served(tmp_path, {"base_url": fake_vllm.url, "shutdown_grace_s": 10}) as served:
+        fake_vllm.push(Script(content="one two three four five six", chunk_delay=0.2))
+        async with aiohttp.ClientSession() as session:
+            stream = asyncio.ensure_future(
+                _first_bytes(session, served.url, "/v1/responses", {"model": "m", "input": "x", "stream": True})
+            )
+            await asyncio.sleep(0.4)
+            stopped = time.monotonic()
+            served.terminate()
+            status, raw = await asyncio.wait_for(stream, 10)
+        assert await served.wait(10) == 0
+    assert status == 200 and b"event: response.completed" in raw
+    assert time.monotonic() - stopped < 5
+
+
+async def test_a_body_still_arriving_at_the_end_of_the_grace_gets_a_408(fake_vllm, tmp_path):
+    async with Served(tmp_path, {"base_url": fake_vllm.url, "shutdown_grace_s": 0.5}) as served:
+        reader, writer = await _raw(served.url, _post("/v1/responses", b'{"model":', length=100))
+        await asyncio.sleep(0.2)
+        stopped = time.monotonic()
+        served.terminate()
+        reply = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert await served.wait(10) == 0
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert b"shutting down" in reply
+    assert time.monotonic() - stopped < 3
+
+
+# --- the listener ----------------------------------------------------------------------------------
+
+
+async def test_client_connections_past_the_cap_get_a_503_at_once(fake_vllm, tmp_path):
+    config = {"base_url": fake_vllm.url, "limits": {"max_client_connections": 20}}
+    async with Served(tmp_path, config) as served:
+        held = [await _raw(served.url, b"") for _ in range(20)]  # open, silent
+        await asyncio.sleep(0.2)
+        body = orjson.dumps({"model": "m", "input": "hi"})
+        reader, writer = await _raw(served.url, _post("/v1/responses", body))
+        reply = await asyncio.wait_for(reader.read(), 5)  # answered and closed at once
+        writer.close()
+        assert reply.startswith(b"HTTP/1.1 503 "), reply[:200]
+        error = orjson.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+        assert "max_client_connections" in error["message"]
+        for _, w in held[:5]:
+            w.close()
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(served.url + "/v1/responses", data=body) as response:
+                assert response.status == 200
+        for _, w in held[5:]:
+            w.close()
+    assert served.log.count("refusing more with 503") == 1  # said once, not per connection
+
+
+async def test_at_the_cap_a_stalled_body_makes_room_for_a_new_client(fake_vllm, tmp_path):
+    config = {"base_url": fake_vllm.url, "limits": {"max_client_connections": 20}}
+    async with Served(tmp_path, config) as served:
+        stalled = [await _raw(served.url, _post("/v1/responses", b'{"model":', length=100)) for _ in range(20)]
+        await asyncio.sleep(1.2)  # silent for longer than the listener waits before it ends one
+        body = orjson.dumps({"model": "m", "input": "hi"})
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                async with session.post(served.url + "/v1/responses", data=body) as response:
+                    assert response.status == 200
+        ended = []
+        for reader, writer in stalled:
+            try:
+                ended.append(await asyncio.wait_for(reader.read(), 0.2))
+            except asyncio.TimeoutError:
+                pass
+            writer.close()
+    assert 1 <= len(ended) <= 4, len(ended)  # about one stalled body for each new connection
+    assert all(reply.startswith(b"HTTP/1.1 408 ") for reply in ended), ended
+
+
+async def test_a_request_body_that_stops_arriving_gets_a_408(fake_vllm, tmp_path):
+    config = {"base_url": fake_vllm.url, "limits": {"client_body_timeout": 0.5}}
+    async with Served(tmp_path, config) as served:
+        started = time.monotonic()
+        reader, writer = await _raw(served.url, _post("/v1/responses", b'{"model":', length=100))
+        reply = await asyncio.wait_for(reader.read(), 5)  # the 408, then the connection closes
+        waited = time.monotonic() - started
+        writer.close()
+        assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+        assert "client_body_timeout" in orjson.loads(reply.partition(b"\r\n\r\n")[2])["error"]["message"]
+        assert 0.4 < waited < 3.0, waited
+        # An idle timeout, not a limit on the whole upload: a body trickling in slowly is read.
+        body = orjson.dumps({"model": "m", "input": "slowly"})
+        reader, writer = await _raw(served.url, _post("/v1/responses", b"", length=len(body)))
+        for i in range(0, len(body), 4):
+            await asyncio.sleep(0.2)
+            writer.write(body[i : i + 4])
+        reply = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
+    assert "Traceback" not in served.log and "Unhandled" not in served.log, served.log[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2) to read the listen backlog")
+@pytest.mark.parametrize("backlog", [None, 1000], ids=["default", "set"])
+async def test_the_listen_backlog_is_the_setting(fake_vllm, tmp_path, backlog):
+    """Deep by default (4096; aiohttp's own 128 left a connection storm unanswered), and settable."""
+    limits = {} if backlog is None else {"backlog": backlog}
+    async with Served(tmp_path, {"base_url": fake_vllm.url, "limits": limits}) as served:
+        # For a listening socket, `ss` shows the backlog as Send-Q (the kernel caps it at somaxconn).
+        lines = subprocess.run(["ss", "-ltnH", f"sport = :{served.port}"], capture_output=True, text=True).stdout
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(lines.split()[2]) == min(backlog or 4096, somaxconn), lines
+
+
+async def test_health_and_metrics_on_the_admin_port_only(fake_vllm, tmp_path):
+    admin = free_port()
+    async with Served(tmp_path, {"base_url": fake_vllm.url, "access": {"admin_port": admin}}) as served:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):  # the admin site starts with the app, just after the main listener
+                try:
+                    async with session.get(f"http://127.0.0.1:{admin}/health") as response:
+                        assert response.status == 200
+                        break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            async with session.get(f"http://127.0.0.1:{admin}/metrics") as response:
+                assert response.status == 200 and "gymproxy_requests_total" in await response.text()
+            async with session.get(served.url + "/health") as response:
+                assert response.status == 404
+
+
+async def test_workers_finish_their_streams_on_sigterm(fake_vllm, tmp_path):
+    """Each worker drains its own streams; one that stops first does not cut the others short.
+
+    The streams have different lengths, so the two workers finish draining at different times.
+    """
+    async with Served(tmp_path, {"base_url": fake_vllm.url, "shutdown_grace_s": 10}, "--workers", "2") as served:
+        await asyncio.sleep(1.0)  # the second worker is listening too
+        texts = [" ".join(f"w{i}x{j}" for j in range(3 + 2 * i)) for i in range(8)]
+        fake_vllm.push(*(Script(content=text, chunk_delay=0.15) for text in texts))
+        body = {"model": "m", "input": "x", "stream": True}
+
+        async def one() -> tuple[int, bytes]:
+            # A connection each: the kernel spreads them over both workers.
+            async with aiohttp.ClientSession() as session:
+                return await _first_bytes(session, served.url, "/v1/responses", body)
+
+        streams = [asyncio.ensure_future(one()) for _ in texts]
+        await asyncio.sleep(0.3)
+        served.terminate()
+        replies = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        assert await served.wait(30) == 0, served.log[-2000:]
+    finished = sorted(text for text in texts for _, raw in replies if orjson.dumps(text) in raw)
+    assert [status for status, _ in replies] == [200] * len(texts)
+    assert all(b"event: response.completed" in raw for _, raw in replies), replies
+    assert finished == sorted(texts)
+
+
+def test_open_file_limit_is_raised():
+    import resource
+
+    from gymproxy.server import raise_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = soft + 1 if hard == resource.RLIM_INFINITY or soft < hard else soft
+    try:
+        raise_open_files(target)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= target
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_default_connection_cap_leaves_half_the_file_descriptors(monkeypatch):
+    import resource
+
+    from gymproxy import build_config
+    from gymproxy.server import connection_limit
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (20_000, 20_000))
+    assert connection_limit(build_config({"base_url": "http://u/v1"}, environ={})) == 9_936
+    capped = build_config({"base_url": "http://u/v1", "limits": {"max_client_connections": 7}}, environ={})
+    assert connection_limit(capped) == 7
+
+
+def test_serve_freezes_startup_objects_and_collects_cycles_rarely():
+    import gc
+
+    from gymproxy.server import GC_THRESHOLD, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == (GC_THRESHOLD, *before[1:])
+        assert gc.get_freeze_count() > 1000  # the modules gymproxy imported
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
