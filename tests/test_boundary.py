@@ -260,7 +260,8 @@ def test_no_training_flags_outside_training_mode():
 
 @pytest.mark.parametrize("n", [None, 1])
 def test_training_mode_accepts_a_single_choice(n):
-    prepare(body(n=n), return_token_id_information=True)
+    sent = prepare(body(n=n), return_token_id_information=True)
+    assert sent["n"] == n and sent["logprobs"] is True and sent["return_tokens_as_token_ids"] is True
 
 
 @pytest.mark.parametrize("n", [0, 2, 4])
@@ -273,7 +274,7 @@ def test_several_choices_are_forwarded_outside_training_mode():
 
 
 def test_training_mode_refuses_n_set_by_extra_body():
-    rejected(body(metadata={"extra_body": '{"n": 2}'}), return_token_id_information=True)
+    assert rejected(body(metadata={"extra_body": '{"n": 2}'}), return_token_id_information=True).param == "n"
 
 
 # --- step 8: reasoning history split --------------------------------------------------------------

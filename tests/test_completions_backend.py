@@ -10,8 +10,8 @@ import pytest
 from gymproxy.testing.fake_vllm import Script, pieces, token_id
 
 from .test_completions_convert import TEMPLATE, save_tokenizer
-from .test_handlers import OVERFLOW_032
-from .test_streaming import _events
+from .test_exchange import _events
+from .test_routes import OVERFLOW_032
 
 
 def completions(fake) -> list:

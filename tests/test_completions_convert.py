@@ -322,7 +322,8 @@ def test_body_training_needs_n_1(n: int) -> None:
 
 @pytest.mark.parametrize("chat", [{}, {"n": 1}, {"n": None}])
 def test_body_training_accepts_n_1_or_absent(chat: dict[str, Any]) -> None:
-    to_completions_body(chat, cfg(return_token_id_information=True), "P")
+    body = to_completions_body(chat, cfg(return_token_id_information=True), "P")
+    assert body.get("n") == chat.get("n") and body["return_token_ids"] is True and body["prompt"] == "P"
 
 
 def test_body_training_checks_n_after_sampling_overrides() -> None:

@@ -8,7 +8,7 @@ requests), GYMPROXY_LOAD_ABANDONED (2000 streams), GYMPROXY_LOAD_STALLED (10,000
 GYMPROXY_LOAD_STORM (5000 streams at once); `bench/soak.py` runs the in-process scenario at full
 size. Deselect with `-m "not load"`.
 
-`test_zz_summary` is the session summary of tests/test_faults.py, tests/test_hostile.py and this
+`test_zz_summary` is the session summary of tests/test_faults.py, tests/test_hostile_*.py and this
 module: pytest runs files in name order and this one last among them, so when it runs the
 counters in tests/faults.py are complete. See its output with `-rA` (or `-s`).
 """

@@ -12,30 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 from aiohttp import web
 
 from gymproxy import build_config, create_app
-from gymproxy.convert.reply import to_response
-from gymproxy.convert.stream import ResponsesStream
-from gymproxy.schemas.chat import CHUNK_DECODER, COMPLETION_DECODER
-from gymproxy.schemas.responses import ResponsesRequest
-from gymproxy.sse import DONE, SSEDecoder
 
-DATA = Path(__file__).parent / "data" / "vllm-0.32"
-CASES = sorted(DATA.glob("*.json"))
-RESPONSES_REQUEST = msgspec.json.Decoder(ResponsesRequest)
+from .recordings import CASES, DATA, events, load
 
 pytestmark = pytest.mark.skipif(not CASES, reason="no recordings in tests/data/vllm-0.32")
-
-
-def load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
 
 
 def config_of(case: dict[str, Any], upstream: str) -> dict[str, Any]:
@@ -59,15 +46,6 @@ def normalise(value: Any) -> Any:
     if isinstance(value, str):
         return _RANDOM.sub("<random>", value)
     return value
-
-
-def events(body: str) -> list[Any]:
-    """An SSE body as its decoded `data:` payloads (`[DONE]` kept as a string)."""
-    decoder = SSEDecoder()
-    out = []
-    for payload in decoder.feed(body.encode()):
-        out.append("[DONE]" if payload == DONE else json.loads(payload))
-    return out
 
 
 def comparable(content_type: str, body: str) -> Any:
@@ -135,93 +113,6 @@ async def test_replay_through_gymproxy(aiohttp_server, path):
         assert replay.seen == sent, f"{where}: gymproxy's upstream requests changed"
         assert (status, content_type) == (client["status"], client["content_type"]), where
         assert comparable(content_type, body) == comparable(client["content_type"], client["response"]), where
-
-
-# --- the sans-IO converters on real bytes -------------------------------------------------------
-
-
-def responses_pairs() -> list[tuple[Path, Path]]:
-    """(streamed, non-streamed) recordings of the same /v1/responses case."""
-    pairs = []
-    for stream in DATA.glob("*-stream*.json"):
-        twin = stream.with_name(stream.name.replace("-stream", "-nostream"))
-        if not twin.exists():
-            continue
-        step = load(twin)["steps"][0]
-        if step["client"]["path"] == "/v1/responses" and step["client"]["status"] == 200 and chat_reply(step):
-            pairs.append((stream, twin))
-    return sorted(pairs)
-
-
-def chat_reply(step: dict[str, Any]) -> dict[str, Any] | None:
-    """The step's upstream chat exchange (status 200), if any."""
-    for exchange in step["upstream"]:
-        if exchange["path"] == "/v1/chat/completions" and exchange["status"] == 200:
-            return exchange
-    return None
-
-
-PAIRS = responses_pairs()
-
-
-def without_stream(body: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in body.items() if k != "stream"}
-
-
-def items(response: Any) -> list[dict[str, Any]]:
-    """What a Response says, without ids: item types, texts, reasoning, calls; status and usage."""
-    out = []
-    for item in msgspec.to_builtins(response.output):
-        kept = {k: item[k] for k in ("type", "name", "arguments") if k in item}
-        if item.get("content") is not None:
-            kept["content"] = [part.get("text", part.get("refusal")) for part in item["content"]]
-        if item.get("summary") is not None:
-            kept["summary"] = [part["text"] for part in item["summary"]]
-        out.append(kept)
-    usage = msgspec.to_builtins(response.usage)
-    return [response.status, usage, *out]
-
-
-@pytest.mark.parametrize("pair", PAIRS, ids=[p[0].stem for p in PAIRS])
-def test_stream_translation_of_real_chunks_matches_the_reply(pair):
-    """SSEDecoder + ResponsesStream over vLLM's recorded chunks give what `to_response` gives for
-    vLLM's recorded non-streamed reply to the same request (spec: streamed result == non-streamed)."""
-    streamed, plain = (load(p) for p in pair)
-    compared = 0
-    for step_s, step_n in zip(streamed["steps"], plain["steps"], strict=True):
-        up_s, up_n = chat_reply(step_s), chat_reply(step_n)
-        if (
-            up_s is None
-            or up_n is None
-            or step_n["client"]["path"] != "/v1/responses"
-            or step_n["client"]["status"] != 200
-        ):
-            continue
-        if without_stream(step_s["client"]["request"]) != without_stream(step_n["client"]["request"]):
-            continue  # a later turn whose history came from the (different) earlier answers
-        compared += 1
-        parser = streamed["gymproxy_config"].get("uses_reasoning_parser", False)
-        req = RESPONSES_REQUEST.decode(json.dumps(step_n["client"]["request"]))
-        translator = ResponsesStream(req, model=req.model, parser=parser)
-        translator.start()
-        decoder = SSEDecoder()
-        for frame in up_s["response"].split("\n\n")[:-1]:  # fed frame by frame, as they arrived
-            for payload in decoder.feed(frame.encode() + b"\n\n"):
-                if payload != DONE:
-                    translator.feed(CHUNK_DECODER.decode(payload))
-        translator.finish()
-        from_stream = translator.final
-        from_reply = to_response(
-            COMPLETION_DECODER.decode(up_n["response"].encode()), req, model=req.model, parser=parser
-        )
-        got, want = items(from_stream), items(from_reply)
-        if any(i.get("type") == "function_call" for i in want[2:]):
-            # vLLM 0.32 streams the "\n\n" between </think> and <tool_call> as content, but its
-            # non-streamed reply has content null: the streamed Response has one more item.
-            assert {"type": "message", "content": ["\n\n"]} in got
-            got = [i for i in got if i != {"type": "message", "content": ["\n\n"]}]
-        assert got == want, pair[0].name
-    assert compared, pair[0].name
 
 
 def test_recordings_are_real_vllm_wire_format():

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from gymproxy.testing.fake_vllm import Script, pieces, token_id
 
-from .test_streaming import _events
+from .test_exchange import _events
 
 
 async def post(url: str, path: str, body: dict) -> tuple[int, dict]:

@@ -1,4 +1,4 @@
-"""True streaming end to end: the openai client -> gymproxy -> the fake vLLM, over real sockets."""
+"""gymproxy.exchange, streaming end to end: the openai client -> gymproxy -> the fake vLLM, over real sockets."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from gymproxy.testing.fake_vllm import Script
 
-from .test_handlers import OVERFLOW_032
+from .test_routes import OVERFLOW_032
 
 TOOLS = [{"type": "function", "name": "calc", "parameters": {"type": "object"}}]
 

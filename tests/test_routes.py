@@ -1,4 +1,4 @@
-"""End to end over real sockets: the openai client -> gymproxy -> the fake vLLM, non-streaming."""
+"""gymproxy.routes end to end over real sockets: the openai client -> gymproxy -> the fake vLLM, non-streaming."""
 
 from __future__ import annotations
 
