@@ -308,6 +308,9 @@ class Fleet:
             except (ClientError, asyncio.TimeoutError) as exc:
                 log.warning("upstream %s: %s is NOT answering: %s", upstream.url, url, describe(exc))
                 continue
+            except Exception as exc:  # a bug: logged, and the other upstreams are still probed
+                log.exception("upstream %s: %s is NOT answering: the probe raised %s", upstream.url, url, describe(exc))
+                continue
             if status == 200:
                 log.info("upstream %s: %s answered 200", upstream.url, url)
             else:

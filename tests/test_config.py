@@ -145,3 +145,24 @@ def test_cli_check_config(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "bogus" in bad.stderr
+
+
+def test_the_reference_config_lists_every_option_with_its_default():
+    """conf/gymproxy.yaml is the documentation of every key: each one, at its default."""
+    import msgspec
+    import yaml
+
+    from gymproxy.config import Config
+
+    listed = yaml.safe_load((Path(__file__).parent.parent / "conf" / "gymproxy.yaml").read_text())
+    defaults = msgspec.to_builtins(Config(base_url=["http://vllm/v1"]))
+
+    def walk(have: dict, want: dict, where: str) -> None:
+        assert set(have) == set(want), (where, sorted(set(want) ^ set(have)))
+        for key, value in want.items():
+            if isinstance(value, dict) and value and isinstance(have[key], dict):
+                walk(have[key], value, f"{where}{key}.")
+            elif key not in ("base_url",):
+                assert have[key] == value or (key == "reasoning_field" and have[key] is None), (where + key, have[key])
+
+    walk(listed, defaults, "")

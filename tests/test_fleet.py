@@ -14,6 +14,7 @@ import time
 import aiohttp
 import pytest
 
+import gymproxy
 from gymproxy import build_config, create_app
 from gymproxy.pinning import Signer
 from gymproxy.testing.fake_vllm import FakeVLLM
@@ -226,6 +227,56 @@ async def test_health_checks_mark_down_and_back_up(aiohttp_server, fleet):
             assert states == [True, True]
         finally:
             await revived.cleanup()
+
+
+async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on(aiohttp_server, fleet, caplog):
+    """Any exception of one check, even a gymproxy bug, is one failed check: the loop lives on."""
+    fakes, _ = fleet
+    cfg = build_config({"base_url": [f.url for f in fakes], "health": {"interval": 0.05, "timeout": 1.0}}, environ={})
+    app = aiohttp.web.Application()
+    proxy = gymproxy.setup(app, cfg)
+    await aiohttp_server(app)
+    fleet_ = proxy.fleet
+    real_get, broken = fleet_._get, fleet_.upstreams[0]
+    calls = 0
+
+    async def sometimes_broken(upstream, route):
+        nonlocal calls
+        if upstream is broken and route == "health" and calls < 3:
+            calls += 1
+            raise RuntimeError("a bug in one check")
+        return await real_get(upstream, route)
+
+    fleet_._get = sometimes_broken
+    for _ in range(100):
+        if fleet_.health_checks[(broken.name, "ok")] >= 2:
+            break
+        await asyncio.sleep(0.05)
+    assert fleet_.health_checks[(broken.name, "error")] == 3
+    assert fleet_.health_checks[(broken.name, "ok")] >= 2 and broken.healthy  # checked on, and back
+    assert "health check of upstream" in caplog.text and "a bug in one check" in caplog.text
+    text = proxy.metrics.render(fleet_.gauges())
+    assert _metric(text, "gymproxy_health_checks_total", result="error") == 3
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback")
+async def test_an_ipv6_upstream_is_served(aiohttp_server):
+    """An aiohttp upstream on [::1] answers gymproxy (it answered 500 to `Host: ::1:PORT`)."""
+    fake = FakeVLLM()
+    server = await aiohttp_server(fake.app, host="::1")
+    url = await start(aiohttp_server, [f"http://[::1]:{server.port}/v1"])
+    async with aiohttp.ClientSession() as session:
+        assert (await ask(session, url)).status == 200
+    assert fake.requests[-1].headers["Host"] == f"[::1]:{server.port}"
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
