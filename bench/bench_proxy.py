@@ -223,7 +223,7 @@ class Bench:
         for name, command, workers in self.gymproxies():
             port = free_port()
             argv = [*command, "serve", *ups, "--host", LOOPBACK, "--port", str(port), "--workers", str(workers)]
-            argv += ["--config", args.config] if args.config else []
+            argv += ["--config", str(Path(args.config).resolve())] if args.config else []
             argv += [a for item in args.set for a in ("--set", item)]
             self._start(Service(name, argv, port, self.log_dir), processes=workers, marker=b" listening on http://")
 
@@ -232,7 +232,8 @@ class Bench:
         args = self.args
         if "gymproxy" not in args.targets:
             return []
-        command = [sys.executable, "-m", "cProfile", "-o", args.profile] if args.profile else [sys.executable]
+        profile = str(Path(args.profile).resolve()) if args.profile else ""
+        command = [sys.executable, "-m", "cProfile", "-o", profile] if args.profile else [sys.executable]
         out = [(gymproxy_name(w), [*command, "-m", "gymproxy"], w) for w in args.workers]
         out += [(name, shlex.split(variant), args.workers[0]) for name, variant in args.variant]
         return out

@@ -86,8 +86,12 @@ class Service:
         self.pids: list[int] = []
 
     def start(self) -> None:
+        # From the log directory, not the caller's: `python -m gymproxy` puts the working directory
+        # first on sys.path, so started from a checkout every variant would run that checkout.
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.log_path.parent
+            )
 
     def wait_ready(self, timeout: float = 30.0, *, processes: int = 1, marker: bytes | None = None) -> None:
         """Until `ready_path` answers 200 and, with `marker`, the log shows it `processes` times."""

@@ -8,7 +8,7 @@ stops, so the profile of a bench_proxy.py run says which stage costs what, per r
 chunk. Use it as a variant (a wrapper adds ~0.4 µs of CPU a call: compare stages, not totals):
 
     python bench/bench_proxy.py --targets floor,gymproxy --scenario responses-stream \\
-        --target-cpus 1 --variant "stages=python bench/stages.py --out /tmp/stages.txt"
+        --target-cpus 1 --variant "stages=python $PWD/bench/stages.py --out /tmp/stages.txt"
 
 Every timed stage is synchronous, so on a CPU of its own its wall time is its CPU time; the
 exception is the client write, which includes the send system call that the floor also makes.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -91,7 +92,7 @@ class Caller:
         self.key = key
         self.pin: str | None = None
         self.route = route  # for metrics
-        self.start = start  # loop time the request arrived
+        self.start = start  # time.monotonic() when the request arrived
         self._pinning = pinning
 
     def stamp(self, response: web.StreamResponse) -> None:
@@ -466,8 +467,8 @@ class Exchange:
     def _interval(self) -> float:
         return self.proxy.config.stream_keepalive_s
 
-    def _first_byte(self, now: float) -> None:
-        self.proxy.metrics.ttfb.observe(self.caller.route, now - self.caller.start)
+    def _first_byte(self) -> None:
+        self.proxy.metrics.ttfb.observe(self.caller.route, time.monotonic() - self.caller.start)
 
 
 class _Payloads:
@@ -501,12 +502,12 @@ class SSEWriter:
 
     __slots__ = ("response", "interval", "loop", "last", "_first_byte", "_timer", "_pending")
 
-    def __init__(self, response: web.StreamResponse, interval: float, first_byte: Callable[[float], None]) -> None:
+    def __init__(self, response: web.StreamResponse, interval: float, first_byte: Callable[[], None]) -> None:
         self.response = response
         self.interval = interval
         self.loop = asyncio.get_running_loop()
         self.last = self.loop.time()
-        self._first_byte: Callable[[float], None] | None = first_byte
+        self._first_byte: Callable[[], None] | None = first_byte
         self._timer: asyncio.TimerHandle | None = None
         self._pending: asyncio.Future[None] | None = None
 
@@ -524,7 +525,7 @@ class SSEWriter:
     async def write(self, data: bytes) -> None:
         self.last = self.loop.time()
         if self._first_byte is not None:
-            self._first_byte(self.last)
+            self._first_byte()
             self._first_byte = None
         try:
             await self.response.write(data)

@@ -26,7 +26,7 @@ import select
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import cast
+from typing import Any, cast
 
 import httptools
 from yarl import URL
@@ -72,7 +72,7 @@ class _Connection(asyncio.Protocol):
         self.loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
-        self.fd = -1
+        self.poller: Any = None  # select.poll() on this socket, to see unread bytes before a reuse
         self.reply: Reply | None = None
         self.closed = False
         self.paused = False
@@ -81,7 +81,9 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         sock = transport.get_extra_info("socket")
-        self.fd = sock.fileno() if sock is not None else -1
+        if _POLL is not None and sock is not None:
+            self.poller = _POLL()
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         reply = self.reply
@@ -119,11 +121,7 @@ class _Connection(asyncio.Protocol):
             return False
         # Bytes (or the EOF) may sit in the socket that the loop has not read yet: poll for them, so a
         # late surplus of the last reply can never be read as the reply to the next request.
-        if _POLL is not None and self.fd >= 0:
-            poller = _POLL()
-            poller.register(self.fd, select.POLLIN)
-            return not poller.poll(0)
-        return True
+        return self.poller is None or not self.poller.poll(0)
 
     def close(self) -> None:
         self.closed = True
@@ -165,7 +163,7 @@ class Reply:
         self.headers: dict[str, str] = {}
         self._client = client
         self._conn: _Connection | None = conn
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._timeout = client.read_timeout
         self._pieces: list[bytes] = []
         self._size = 0
@@ -211,6 +209,7 @@ class Reply:
     def on_headers_complete(self) -> None:
         self._progress = True
         parser = self._parser
+        assert parser is not None
         status = parser.get_status_code()
         if parser.get_http_version() not in ("1.1", "1.0"):
             raise BadReply(f"the upstream answered HTTP/{parser.get_http_version()}, not HTTP/1.x")
@@ -252,8 +251,10 @@ class Reply:
             self._fail(BadReply("the upstream sent bytes after the end of its reply"))
             return
         self._progress = False
+        parser = self._parser
+        assert parser is not None  # fed only while the connection is lent to this reply
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if isinstance(cause, _Surplus):
@@ -381,6 +382,7 @@ class Reply:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.reply = None
+            self._parser = None  # it holds our methods: a cycle that only the collector would free
             conn.close()
             self._client._returned(conn, self, reuse=False)
 
@@ -389,6 +391,7 @@ class Reply:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.reply = None
+            self._parser = None  # it holds our methods: a cycle that only the collector would free
             reuse = self._complete and self._keep and self._error is None and not self._pieces and not conn.closed
             if not reuse:
                 conn.close()

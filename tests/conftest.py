@@ -6,6 +6,7 @@ with `handler_cancellation=True` (aiohttp's test server sets it; `test_productio
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,16 @@ from gymproxy.testing.fake_vllm import FakeVLLM
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
     """The event loop `gymproxy serve` uses: uvloop's when installed, else asyncio's."""
     return {"uvloop" if _has_uvloop() else "asyncio": new_loop}
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this host can listen on ::1 (some containers have no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
 
 
 def _has_uvloop() -> bool:

@@ -29,8 +29,7 @@ from hypothesis import HealthCheck, settings
 import gymproxy
 from gymproxy.server import new_loop
 
-from .faults import (  # noqa: F401 - xfail_losses_do_not_count is autouse
-    ANSWER,
+from .faults import (
     CHAT,
     ERROR_KEYS,
     PATHS,
@@ -40,7 +39,6 @@ from .faults import (  # noqa: F401 - xfail_losses_do_not_count is autouse
     TolerantUpstream,
     hostile,
     sse_data,
-    xfail_losses_do_not_count,
 )
 
 MAX_BODY = 8 * 1024 * 1024

@@ -19,6 +19,8 @@ from gymproxy import build_config, create_app
 from gymproxy.pinning import Signer
 from gymproxy.testing.fake_vllm import FakeVLLM
 
+from .conftest import has_ipv6_loopback
+
 COOKIE = "gymproxy_pin"
 SECRET = "test-secret"
 
@@ -259,16 +261,7 @@ async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on
     assert _metric(text, "gymproxy_health_checks_total", result="error") == 3
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this host has no IPv6 loopback")
 async def test_an_ipv6_upstream_is_served(aiohttp_server):
     """An aiohttp upstream on [::1] answers gymproxy (it answered 500 to `Host: ::1:PORT`)."""
     fake = FakeVLLM()

@@ -27,6 +27,8 @@ from yarl import URL
 from gymproxy.http1 import HIGH_WATER, MAX_HEAD, BadReply, CannotConnect, Client, ReadTimeout, Reply, _Connection
 from gymproxy.sse import DONE, SSEDecoder
 
+from .conftest import has_ipv6_loopback
+
 RECORDED = Path(__file__).parent / "data" / "http1"
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -647,16 +649,7 @@ async def test_https_upstream(certificate, new_client) -> None:
         server.close()
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as sock:
-            sock.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this host has no IPv6 loopback")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="this host has no IPv6 loopback")
 async def test_ipv6_upstreams_get_a_bracketed_host(client: Client) -> None:
     seen: list[bytes] = []
 
