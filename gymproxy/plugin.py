@@ -6,6 +6,8 @@ adds app-wide middleware and several instances can live in one app under differe
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Final
 
@@ -14,6 +16,8 @@ from aiohttp import web
 from . import routes
 from .config import Config
 from .proxy import Proxy
+
+log = logging.getLogger("gymproxy")
 
 PROXIES: Final = web.AppKey("gymproxy.proxies", list[Proxy])
 ROLLOUT_SCOPES = ("/ng-rollout/{rollout_id}", "/ng-rollout/{rollout_id}/training-token-capture")
@@ -29,14 +33,25 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
     if prefix and (not prefix.startswith("/") or prefix.endswith("/")):
         raise ValueError(f"gymproxy.setup: prefix {prefix!r} must start with '/' and not end with one")
     proxy = Proxy(config)
+    grace: list[asyncio.TimerHandle] = []
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await proxy.start()
         yield
+        for timer in grace:
+            timer.cancel()
         await proxy.close()
 
     async def draining(_: web.Application) -> None:
-        proxy.draining(then=routes.end_waiting_bodies)
+        """The app is shutting down (its listener has stopped): what still runs after the grace ends then."""
+        seconds = config.shutdown_grace_s
+        if proxy.fleet.client.in_use:
+            log.info("shutting down: %d upstream requests in flight get %g s", proxy.fleet.client.in_use, seconds)
+        grace.append(asyncio.get_running_loop().call_later(seconds, end))
+
+    def end() -> None:
+        proxy.end_requests()
+        routes.end_waiting_bodies()
 
     app.cleanup_ctx.append(lifetime)
     app.on_shutdown.append(draining)

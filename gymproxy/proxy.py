@@ -1,11 +1,10 @@
 """One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
-end of its upstream requests when a shutdown's grace is over."""
+end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -45,31 +44,20 @@ class Proxy:
             else None
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self._ending: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
         self._tasks = [asyncio.ensure_future(self.fleet.probe()), asyncio.ensure_future(self.fleet.watch_health())]
 
-    def draining(self, *, then: Callable[[], None] = lambda: None) -> None:
-        """Shutdown began: upstream requests still running after `shutdown_grace_s` are ended then,
-        and no new one starts, so each stream ends with its terminal event and a whole reply with a
-        503 (the listener has stopped taking connections); `then` runs at the same time."""
-        grace = self.config.shutdown_grace_s
-        if self.fleet.client.in_use:
-            log.info("shutting down: %d upstream requests in flight get %g s", self.fleet.client.in_use, grace)
-        self._ending = asyncio.get_running_loop().call_later(grace, self.end_requests, then)
-
-    def end_requests(self, then: Callable[[], None] = lambda: None) -> None:
+    def end_requests(self) -> None:
+        """A shutdown's grace is over: every upstream request in progress ends now, and no new one
+        starts, so each stream ends with its terminal event and a whole reply with a 503."""
         if self.fleet.client.in_use:
             log.warning("shutdown grace over: ending %d upstream requests in flight", self.fleet.client.in_use)
         self.fleet.client.abort(Aborted(SHUTTING_DOWN))
-        then()
 
     async def close(self) -> None:
-        if self._ending is not None:
-            self._ending.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

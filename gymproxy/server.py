@@ -6,8 +6,8 @@ connection storms, and a cap on open client connections (`limits.max_client_conn
 which a new connection is answered 503 at once, so stalled or abandoned clients cannot take the
 file descriptors that upstream connections and health checks need. On SIGTERM or SIGINT the
 listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
-ended (streams with their terminal event, see `Proxy.draining`). A plugin leaves all of this to
-its host app.
+ended (streams with their terminal event; `plugin.setup` keeps the grace). A plugin leaves the
+listener and the process to its host app.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> Non
             loop.remove_signal_handler(signum)
         log.info("stopping: no new connections; requests in flight get %g s", config.shutdown_grace_s)
         listener.close()
-        await runner.cleanup()  # app.on_shutdown starts the grace (Proxy.draining), then waits for handlers
+        await runner.cleanup()  # app.on_shutdown starts the grace (plugin.setup), then waits for handlers
 
 
 class ConnectionCap:

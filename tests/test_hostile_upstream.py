@@ -58,25 +58,25 @@ def head(*lines: str) -> bytes:
 
 
 JSON_200 = ("HTTP/1.1 200 OK", "Content-Type: application/json")
+# A valid answer in every broken reply: a parser lenient about the framing would pass it on as a 200.
+BODY = completion("an answer from a reply that breaks HTTP")
+LENGTH = f"Content-Length: {len(BODY)}"
+CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
 
 # Replies that break HTTP/1.1 framing, each written whole; the upstream then keeps the connection open.
 BROKEN = {
-    "content-length and chunked": head(*JSON_200, "Content-Length: 10", "Transfer-Encoding: chunked")
-    + b"2\r\n{}\r\n0\r\n\r\n",
-    "content-length superscript two": head(*JSON_200, "Content-Length: \u00b2") + b"{}",
-    "negative content-length": head(*JSON_200, "Content-Length: -1") + b"{}",
-    "two content-lengths": head(*JSON_200, "Content-Length: 2", "Content-Length: 3") + b"{}",
-    "status 2000": head("HTTP/1.1 2000 OK", "Content-Length: 2") + b"{}",
-    "status 2999999": head("HTTP/1.1 2999999 OK", "Content-Length: 2") + b"{}",
-    "status 999": head("HTTP/1.1 999 OK", "Content-Length: 2") + b"{}",
-    "bare LF": b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: 2\n\n{}",
-    "header name not a token": head(*JSON_200, "Content Length: 2") + b"{}",
-    "huge head": head(*JSON_200, "X-Huge: " + "y" * 70_000, "Content-Length: 2") + b"{}",
-    "chunk size overflow": head(*JSON_200, "Transfer-Encoding: chunked") + b"f" * 40 + b"\r\n",
-    "surplus in the same read": head(*JSON_200, "Content-Length: 2")
-    + b"{}"
-    + head(*JSON_200, "Content-Length: 2")
-    + b"[]",
+    "content-length and chunked": head(*JSON_200, LENGTH, "Transfer-Encoding: chunked") + CHUNKED,
+    "content-length superscript two": head(*JSON_200, "Content-Length: \u00b2") + BODY,
+    "negative content-length": head(*JSON_200, "Content-Length: -1") + BODY,
+    "two content-lengths": head(*JSON_200, LENGTH, f"Content-Length: {len(BODY) + 1}") + BODY,
+    "status 2000": head("HTTP/1.1 2000 OK", "Content-Type: application/json", LENGTH) + BODY,
+    "status 2999999": head("HTTP/1.1 2999999 OK", "Content-Type: application/json", LENGTH) + BODY,
+    "status 999": head("HTTP/1.1 999 OK", "Content-Type: application/json", LENGTH) + BODY,
+    "bare LF": b"HTTP/1.1 200 OK\nContent-Type: application/json\n%s\n\n" % LENGTH.encode() + BODY,
+    "header name not a token": head(*JSON_200, "Bad Name: x", LENGTH) + BODY,
+    "huge head": head(*JSON_200, "X-Huge: " + "y" * 70_000, LENGTH) + BODY,
+    "chunk size overflow": head(*JSON_200, "Transfer-Encoding: chunked") + b"f" * 40 + b"\r\n" + BODY,
+    "surplus in the same read": head(*JSON_200, LENGTH) + BODY + head(*JSON_200, LENGTH) + BODY,
 }
 
 
@@ -149,12 +149,13 @@ async def test_bytes_after_a_reply_never_answer_another_request(aiohttp_server, 
     survived(8)
 
 
-async def test_the_health_loop_survives_any_reply_and_brings_an_upstream_back(aiohttp_server, fake_vllm):
+@pytest.mark.parametrize("case", list(BROKEN))
+async def test_the_health_loop_survives_any_reply_and_brings_an_upstream_back(aiohttp_server, fake_vllm, case):
     """An upstream that was down comes back, first with /health replies that break HTTP, then good
-    ones: it must be marked healthy and get requests again (once, the first broken reply ended the
-    health loop for good, and the upstream stayed down)."""
+    ones: it must be marked healthy and get requests again (once, a `Content-Length: ²` reply ended
+    the health loop for good, and the upstream stayed down)."""
     port = free_port()
-    back = RawUpstream(default=own_answer, health=broken(BROKEN["content-length superscript two"]))
+    back = RawUpstream(default=own_answer, health=broken(BROKEN[case]))
     url, proxy = await start_proxy(
         aiohttp_server,
         [f"http://127.0.0.1:{port}/v1", fake_vllm.url],

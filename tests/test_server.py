@@ -205,6 +205,8 @@ async def test_the_listen_backlog_is_the_setting(fake_vllm, tmp_path, backlog):
     """Deep by default (4096; aiohttp's own 128 left a connection storm unanswered), and settable."""
     limits = {} if backlog is None else {"backlog": backlog}
     async with Served(tmp_path, {"base_url": fake_vllm.url, "limits": limits}) as served:
+        _, writer = await _raw(served.url, b"")  # listening for certain (not only logged)
+        writer.close()
         # For a listening socket, `ss` shows the backlog as Send-Q (the kernel caps it at somaxconn).
         lines = subprocess.run(["ss", "-ltnH", f"sport = :{served.port}"], capture_output=True, text=True).stdout
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
