@@ -69,7 +69,11 @@ async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> Non
         app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
     access_log = logging.getLogger("aiohttp.access") if config.access_log else None
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=access_log, shutdown_timeout=config.shutdown_grace_s + BACKSTOP_S
+        app,
+        handler_cancellation=True,
+        access_log=access_log,
+        keepalive_timeout=config.limits.client_keepalive_timeout,  # AppRunner alone keeps them an hour
+        shutdown_timeout=config.shutdown_grace_s + BACKSTOP_S,
     )
     await runner.setup()
     assert runner.server is not None

@@ -199,6 +199,24 @@ async def test_a_request_body_that_stops_arriving_gets_a_408(fake_vllm, tmp_path
     assert "Traceback" not in served.log and "Unhandled" not in served.log, served.log[-2000:]
 
 
+async def test_idle_connections_and_unfinished_heads_are_closed(fake_vllm, tmp_path):
+    """A head that never completes (slowloris) and a kept-alive connection left idle are both closed
+    after `limits.client_keepalive_timeout` (aiohttp's own runner, used alone, keeps them an hour)."""
+    config = {"base_url": fake_vllm.url, "limits": {"client_keepalive_timeout": 0.5}}
+    async with Served(tmp_path, config) as served:
+        started = time.monotonic()
+        slow, slow_writer = await _raw(served.url, b"POST /v1/responses HTTP/1.1\r\nHost: gymproxy\r\nX-Slow: ")
+        body = orjson.dumps({"model": "m", "input": "hi"})
+        idle, idle_writer = await _raw(served.url, _post("/v1/responses", body))
+        assert (await asyncio.wait_for(idle.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200 ")
+        assert await asyncio.wait_for(slow.read(), 5) == b""  # closed, with nothing to say
+        await asyncio.wait_for(idle.read(), 5)  # the rest of the answer, then the close
+        waited = time.monotonic() - started
+        slow_writer.close()
+        idle_writer.close()
+    assert 0.4 < waited < 3.0, waited
+
+
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2) to read the listen backlog")
 @pytest.mark.parametrize("backlog", [None, 1000], ids=["default", "set"])
 async def test_the_listen_backlog_is_the_setting(fake_vllm, tmp_path, backlog):
