@@ -57,6 +57,7 @@ def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fals
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())  # chat templates render in its threads
         loop.close()
 
 
