@@ -1,7 +1,9 @@
-"""Recognising vLLM's "the prompt does not fit in the context" 400, across vLLM versions.
+"""Recognising the "the prompt does not fit in the context" 400 of vLLM (every version) and its peers.
 
 vLLM has worded this error at least five ways and used two JSON envelopes (flat
-`{"object":"error","message",...}` up to 0.10.0, nested `{"error":{"message",...}}` since 0.10.1).
+`{"object":"error","message",...}` up to 0.10.0, nested `{"error":{"message",...}}` since 0.10.1);
+SGLang, TensorRT-LLM and OpenAI have wordings of their own (OpenAI also sets `code` to
+`context_length_exceeded`).
 `is_context_overflow` reads the message from either envelope and decides by its wording, with
 regexes compiled once, plus the `param` vLLM sets to `input_tokens`/`input_text` on newer
 releases; it never matches a loose substring such as "max_tokens", which would swallow unrelated
@@ -20,8 +22,8 @@ from .errors import UpstreamStatus
 
 MAX_TEXT_CHARS: Final = 500
 
-# Each alternative is one family of real vLLM wordings (L = max_model_len, N = prompt tokens,
-# M = requested output tokens). Messages may carry a trailing " None" (<= 0.10.x) or
+# Each alternative is one family of real wordings, vLLM's first (L = max_model_len, N = prompt
+# tokens, M = requested output tokens). Messages may carry a trailing " None" (<= 0.10.x) or
 # " (parameter=input_tokens, value=N)" (later builds); nothing here is anchored at the end.
 _OVERFLOW: Final = re.compile(
     "|".join(
@@ -36,7 +38,9 @@ _OVERFLOW: Final = re.compile(
             #               tokens, for a total of ..." / "... your prompt contains C characters (more than
             #               X characters, ..." / 0.32: "... your prompt contains at least N input tokens,
             #               which exceeds this limit even without any output tokens. ..."
-            r"maximum context length is \d+ tokens",
+            # The bare phrase also covers other servers and proxies, e.g. SGLang's "Requested token
+            # count exceeds the model's maximum context length of L tokens. You requested a total of ...".
+            r"maximum context length",
             # Renderer era (~0.15/0.16): "You passed N input tokens|characters and requested M output
             # tokens. However, the model's context length is only L tokens, ..."
             r"context length is only \d+ tokens",
@@ -45,9 +49,20 @@ _OVERFLOW: Final = re.compile(
             # A client that itself sends max_tokens=0 or below gets the same words; that rare misuse
             # is accepted as a false positive.
             r"max_tokens must be at least 1, got (?:0|-\d+)(?!\.?\d)",
+            # SGLang (and Together): "The input (N tokens) is longer than the model's context length
+            # (L tokens)."
+            r"is longer than the model's context length",
+            # TensorRT-LLM's trtllm-serve, PyTorch backend: "The sum of prompt length (N), query length (Q)
+            # should not exceed max_num_tokens (K)"; TensorRT backend: "The sum of prompt length (N) and
+            # query length (Q) max_tokens (M) should not exceed max_seq_len (K)".
+            r"prompt length \(\d+(?:\.\d+)?\).{0,80}should not exceed max_(?:num_tokens|seq_len)",
+            # OpenAI's Responses API: "Your input exceeds the context window of this model. ..."
+            r"exceeds the context window",
         )
     )
 )
+# OpenAI (and servers copying its envelope) name the overflow in `code`.
+_OVERFLOW_CODE: Final = "context_length_exceeded"
 
 # "max_tokens=1000 cannot be greater than max_model_len=512. Please request fewer output tokens."
 # and the renderer's "max_completion_tokens=131072 cannot be greater than
@@ -72,12 +87,12 @@ def is_context_overflow(status: int, body: bytes) -> bool:
     """
     if status != 400:
         return False
-    message, param, _ = _error_fields(body)
+    message, param, _, code = _error_fields(body)
     if message is None:
         message = _text(body)
     if _TOO_MANY_OUTPUT_TOKENS.search(message):
         return False
-    if _OVERFLOW.search(message):
+    if _OVERFLOW.search(message) or code == _OVERFLOW_CODE:
         return True
     if isinstance(param, str) and param in _INPUT_PARAMS:
         return True
@@ -86,13 +101,13 @@ def is_context_overflow(status: int, body: bytes) -> bool:
 
 def upstream_message(body: bytes) -> str:
     """The error message from either vLLM envelope, else the body text cut to 500 characters."""
-    message, _, _ = _error_fields(body)
+    message = _error_fields(body)[0]
     return _text(body) if message is None else message
 
 
 def status_error(status: int, body: bytes) -> UpstreamStatus:
     """An upstream error reply as the error gymproxy raises: its status, message, param and type."""
-    message, param, kind = _error_fields(body)
+    message, param, kind, _ = _error_fields(body)
     return UpstreamStatus(
         status,
         (_text(body) if message is None else message) or f"the upstream answered HTTP {status}",
@@ -101,25 +116,26 @@ def status_error(status: int, body: bytes) -> UpstreamStatus:
     )
 
 
-def _error_fields(body: bytes) -> tuple[str | None, object, object]:
-    """(message, param, type) from `{"error": {...}}`, `{"error": "..."}`, a flat envelope or a JSON string.
+def _error_fields(body: bytes) -> tuple[str | None, object, object, object]:
+    """(message, param, type, code) from `{"error": {...}}`, `{"error": "..."}`, a flat envelope or a JSON string.
 
     The message is None when the body is not JSON or holds no non-empty string message.
     """
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None, None, None
+        return None, None, None, None
     if isinstance(payload, str):
-        return payload or None, None, None
+        return payload or None, None, None, None
     if not isinstance(payload, dict):
-        return None, None, None
+        return None, None, None, None
     error = payload.get("error")
     if isinstance(error, str):
-        return error or None, None, None
+        return error or None, None, None, None
     fields = error if isinstance(error, dict) else payload
     message = fields.get("message")
-    return (message if isinstance(message, str) and message else None), fields.get("param"), fields.get("type")
+    text = message if isinstance(message, str) and message else None
+    return text, fields.get("param"), fields.get("type"), fields.get("code")
 
 
 def _text(body: bytes) -> str:

@@ -53,6 +53,22 @@ OVERFLOW_MESSAGES = {
     "max_tokens_got_negative": "max_tokens must be at least 1, got -186.",  # <= 0.4, Mistral in 0.9.2
 }
 
+# Other servers' wordings, and the bare phrase (spec/nemo-gym-behavior.md, deliberate difference 2).
+PEER_OVERFLOW_MESSAGES = {
+    "bare_phrase": "Input exceeds the maximum context length.",
+    "sglang_input_longer": "The input (10009 tokens) is longer than the model's context length (8192 tokens).",
+    "sglang_total": "Requested token count exceeds the model's maximum context length of 64000 tokens. You "
+    "requested a total of 71897 tokens: 7897 tokens from the input messages and 64000 tokens for the "
+    "completion. Please reduce the number of tokens in the input messages or the completion to fit within "
+    "the limit.",
+    "trtllm_pytorch": "The sum of prompt length (72417.0), query length (0) should not exceed max_num_tokens (69632)",
+    "trtllm_tensorrt": "The sum of prompt length (4000) and query length (0) max_tokens (2048) should not exceed "
+    "max_seq_len (4096)",
+    "openai_chat": "This model's maximum context length is 128000 tokens. However, your messages resulted in "
+    "130500 tokens. Please reduce the length of the messages.",
+    "openai_responses": "Your input exceeds the context window of this model. Please adjust your input and try again.",
+}
+
 SUFFIXES = {
     "bare": "",
     "none": " None",  # f"{e} {e.__cause__}" in <= 0.10.x
@@ -81,6 +97,10 @@ NOT_OVERFLOW_MESSAGES = {
     "model": "The model `gpt-4` does not exist.",
     "template": "Chat template error: the context length of this template is unknown",
     "json": "Expecting value: line 1 column 1 (char 0)",
+    # Peer servers' 400s about other limits
+    "trtllm_other": "The sum of prompt length (10) and query length (0) should be positive",
+    "payload_size": "Input exceeds the maximum length of 1048576 characters.",
+    "context_window_word": "The context window option is not supported by this model.",
 }
 
 
@@ -102,6 +122,29 @@ def test_every_overflow_wording(wording: str, envelope: str, suffix: str) -> Non
     # param stays null here, so only the wording (or the message suffix) can decide.
     body = ENVELOPES[envelope](OVERFLOW_MESSAGES[wording] + SUFFIXES[suffix])
     assert is_context_overflow(400, body)
+
+
+@pytest.mark.parametrize("envelope", ENVELOPES)
+@pytest.mark.parametrize("wording", PEER_OVERFLOW_MESSAGES)
+def test_peer_servers_overflow_wordings(wording: str, envelope: str) -> None:
+    assert is_context_overflow(400, ENVELOPES[envelope](PEER_OVERFLOW_MESSAGES[wording]))
+    assert is_context_overflow(400, PEER_OVERFLOW_MESSAGES[wording].encode())
+
+
+def test_openai_overflow_code_counts_whatever_the_wording() -> None:
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": "Request too big for this model.",
+                "type": "invalid_request_error",
+                "param": "input",
+                "code": "context_length_exceeded",
+            }
+        }
+    )
+    assert is_context_overflow(400, body)
+    assert not is_context_overflow(429, body)
+    assert not is_context_overflow(400, body.replace(b"context_length_exceeded", b"rate_limit_exceeded"))
 
 
 @pytest.mark.parametrize("envelope", ENVELOPES)
