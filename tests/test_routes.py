@@ -140,6 +140,28 @@ async def test_responses_overflow_propagated_when_configured(start_proxy, fake_v
     assert body["error"]["message"] == OVERFLOW_032
 
 
+# Spaced and with a key order no encoder of ours would produce, so a re-encoded body cannot pass.
+OVERFLOW_SPACED = (
+    b'{ "error" : {"code": 400, "type": "BadRequestError", "message": "' + OVERFLOW_032.encode() + b'",'
+    b' "param": "input_tokens"} }'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
+@pytest.mark.parametrize("body", [OVERFLOW_SPACED, OVERFLOW_FLAT], ids=["nested", "flat"])
+async def test_propagated_overflow_is_vllm_body_byte_for_byte(start_proxy, fake_vllm, path, stream, body):
+    url = await start_proxy(propagate_context_overflow_errors=True)
+    fake_vllm.push(Script(status=400, error_body=body))
+    request = {"model": "m", "stream": stream}
+    request.update({"input": "x"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "x"}]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, json=request) as reply:
+            assert reply.status == 400
+            assert reply.content_type == "application/json"
+            assert await reply.read() == body
+
+
 async def test_responses_length_finish_is_incomplete(client, fake_vllm):
     fake_vllm.push(Script(content="cut short", finish_reason="length"))
     response = await client.responses.create(model="m", input="x")
