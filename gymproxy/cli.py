@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from . import __version__, server
-from .config import Config, ConfigError, load_config, upstream_specs
+from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
 
 log = logging.getLogger("gymproxy")
@@ -36,8 +36,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
-        urls = [shown(spec.url) for spec in upstream_specs(config)]
+        urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
         print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
+        if args._unresolved:
+            given = ", ".join(f"${{{name}}} ({where})" for name, where in sorted(args._unresolved.items()))
+            print(f"given at serve time (--set or the environment): {given}")
         return
     fake_port = getattr(args, "_fake_port", None)
     workers = args.workers or config.num_workers or 1
@@ -111,7 +114,8 @@ def _run_fake(port: int, model: str) -> None:
 def _load(args: argparse.Namespace) -> Config:
     overrides = dict(_pair(item) for item in args.set)
     if args.command == "check-config":
-        return load_config(args.file, overrides=overrides, server=args.server)
+        args._unresolved = None if args.strict else {}
+        return load_config(args.file, overrides=overrides, server=args.server, unresolved=args._unresolved)
     extra: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model, "api_key": args.api_key}
     if args.upstream:
         extra["base_url"] = args.upstream
@@ -120,6 +124,12 @@ def _load(args: argparse.Namespace) -> Config:
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
     return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
+
+
+def _unstand(url: str) -> str:
+    """An upstream URL as check-config shows it: a stand-in for a placeholder shown as the placeholder."""
+    prefix = f"http://{STAND_IN_HOST}/"
+    return f"${{{url[len(prefix) :]}}}" if url.startswith(prefix) else url
 
 
 def _free_port() -> int:
@@ -159,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("file")
     check.add_argument("--server")
     check.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    check.add_argument(
+        "--strict", action="store_true", help="a ${NAME} with no value from --set or the environment is an error"
+    )
 
     fake = commands.add_parser("fake-vllm", help="run the bundled fake vLLM (for demos and tests)")
     fake.add_argument("--host", default="127.0.0.1")

@@ -13,9 +13,10 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -182,11 +183,14 @@ def load_config(
     environ: Mapping[str, str] = os.environ,
     server: str | None = None,
     extra: Mapping[str, Any] = {},
+    unresolved: dict[str, str] | None = None,
 ) -> Config:
     """Read, resolve and validate a config file; raises `ConfigError` naming the bad key.
 
     `overrides` are the `--set name=value` pairs; `extra` holds keys set by CLI flags, which win
-    over the file.
+    over the file. With an `unresolved` dict (`check-config`), a placeholder that has no value yet
+    is no error: it is recorded there (name -> the key using it) and a stand-in of the key's type
+    is validated in its place.
     """
     raw: Any = {}
     placeholders: set[str] = set()
@@ -199,7 +203,7 @@ def load_config(
         placeholders = {name.strip() for name in _PLACEHOLDER.findall(text)}
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path}: the top level must be a mapping")
-    raw = _resolve(raw, overrides, environ, "")
+    raw = _resolve(raw, overrides, environ, "", unresolved)
     section, name = _section(raw, server)
     section = {**section, **{k: v for k, v in extra.items() if v is not None}}
     if name is not None:
@@ -314,20 +318,27 @@ def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], s
     return section, name
 
 
-def _resolve(node: Any, overrides: Mapping[str, str], environ: Mapping[str, str], where: str) -> Any:
+def _resolve(
+    node: Any, overrides: Mapping[str, str], environ: Mapping[str, str], where: str, unresolved: dict[str, str] | None
+) -> Any:
     if isinstance(node, dict):
-        return {k: _resolve(v, overrides, environ, f"{where}.{k}" if where else str(k)) for k, v in node.items()}
+        return {
+            k: _resolve(v, overrides, environ, f"{where}.{k}" if where else str(k), unresolved) for k, v in node.items()
+        }
     if isinstance(node, list):
-        return [_resolve(v, overrides, environ, f"{where}[{i}]") for i, v in enumerate(node)]
+        return [_resolve(v, overrides, environ, f"{where}[{i}]", unresolved) for i, v in enumerate(node)]
     if not isinstance(node, str) or "${" not in node:
         return node
 
-    def lookup(name: str) -> str:
+    def lookup(name: str, whole: bool) -> str:
         name = name.strip()
         if name in overrides:
             return overrides[name]
         if name in environ:
             return environ[name]
+        if unresolved is not None:
+            unresolved[name] = where
+            return _stand_in(where, name) if whole else name
         raise ConfigError(
             f"config: `{where}` uses ${{{name}}}, which is neither given with --set nor in the environment"
         )
@@ -336,6 +347,36 @@ def _resolve(node: Any, overrides: Mapping[str, str], environ: Mapping[str, str]
     if whole:
         # A whole-value placeholder may carry a YAML list or mapping (several base URLs);
         # scalars stay strings and are converted to the key's type by build_config.
-        value = lookup(whole.group(1))
+        value = lookup(whole.group(1), True)
         return yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
-    return _PLACEHOLDER.sub(lambda m: lookup(m.group(1)), node)
+    return _PLACEHOLDER.sub(lambda m: lookup(m.group(1), False), node)
+
+
+STAND_IN_HOST: Final = "given-at-serve-time.invalid"
+
+
+def _stand_in(where: str, name: str) -> str:
+    """A valid value for the key at `where`, in place of the placeholder `name` (check-config)."""
+    key = re.sub(r"\[\d+\]$", "", where).rpartition(".")[2]
+    if key in ("base_url", "url"):
+        return f"http://{STAND_IN_HOST}/{name}"
+    return _SCALAR_STAND_INS.get(key, f"${{{name}}}")
+
+
+def _scalar_stand_ins(struct: Any) -> dict[str, str]:
+    """Field name -> a string that converts to its type, for the non-string scalar fields of the
+    config and of its nested sections."""
+    found: dict[str, str] = {}
+    for field in msgspec.inspect.type_info(struct).fields:
+        kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        for kind in kinds:
+            if isinstance(kind, msgspec.inspect.StructType):
+                found.update(_scalar_stand_ins(kind.cls))
+            elif isinstance(kind, msgspec.inspect.BoolType):
+                found.setdefault(field.name, "false")
+            elif isinstance(kind, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+                found.setdefault(field.name, "1")
+    return found
+
+
+_SCALAR_STAND_INS: Final = _scalar_stand_ins(Config)

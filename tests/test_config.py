@@ -147,6 +147,54 @@ def test_cli_check_config(tmp_path: Path) -> None:
     assert bad.stderr.strip().count("\n") == 0 and "bogus" in bad.stderr
 
 
+def _check_config(*args: str) -> subprocess.CompletedProcess[str]:
+    # A clean environment: no placeholder may be resolved from the developer's shell.
+    env = {"PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-m", "gymproxy", "check-config", *args], capture_output=True, text=True, env=env
+    )
+
+
+@pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.name)
+def test_check_config_passes_every_shipped_config_as_shipped(path: Path) -> None:
+    checked = _check_config(str(path))
+    assert checked.returncode == 0, checked.stderr
+    assert "given at serve time" in checked.stdout and "${policy_base_url}" in checked.stdout
+
+
+def test_check_config_lists_placeholders_given_at_serve_time(tmp_path: Path) -> None:
+    text = "base_url: ${url}\nport: ${port}\naccess_log: ${log}\nshutdown_grace_s: ${grace}\n"
+    text += "pinning: {secret: '${secret}', cookie_name: 'gp-${suffix}'}\n"
+    checked = _check_config(str(write(tmp_path, text)))
+    assert checked.returncode == 0, checked.stderr
+    first, second = checked.stdout.splitlines()
+    assert first.startswith("ok: 1 upstream(s): ${url}")
+    for name, where in [("url", "base_url"), ("port", "port"), ("secret", "pinning.secret"), ("suffix", "pinning")]:
+        assert f"${{{name}}} ({where}" in second
+    # Given values are used as at serve time, and checked.
+    assert "${port}" not in _check_config(str(write(tmp_path, text)), "--set=port=9000").stdout
+    bad = _check_config(str(write(tmp_path, text)), "--set=port=many")
+    assert bad.returncode == 2 and "port" in bad.stderr
+
+
+def test_check_config_still_refuses_what_is_wrong_beside_placeholders(tmp_path: Path) -> None:
+    checked = _check_config(str(write(tmp_path, "base_url: ${url}\nbogus: 1\n")))
+    assert checked.returncode == 2 and "bogus" in checked.stderr
+    checked = _check_config(str(write(tmp_path, "base_url: ${url}\nport: nine\n")))
+    assert checked.returncode == 2 and "port" in checked.stderr
+
+
+def test_check_config_strict_makes_placeholders_errors() -> None:
+    checked = _check_config("--strict", str(CONF / "vllm_model.yaml"))
+    assert checked.returncode == 2
+    assert "policy_base_url" in checked.stderr and "--set" in checked.stderr
+
+
+def test_serve_still_needs_every_placeholder(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"\$\{url\}"):
+        load_config(write(tmp_path, "base_url: ${url}\n"), environ={})
+
+
 def test_the_reference_config_lists_every_option_with_its_default():
     """conf/gymproxy.yaml is the documentation of every key: each one, at its default."""
     import msgspec
