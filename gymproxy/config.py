@@ -367,7 +367,9 @@ def _scalar_stand_ins(struct: Any) -> dict[str, str]:
     """Field name -> a string that converts to its type, for the non-string scalar fields of the
     config and of its nested sections."""
     found: dict[str, str] = {}
-    for field in msgspec.inspect.type_info(struct).fields:
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
         kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
         for kind in kinds:
             if isinstance(kind, msgspec.inspect.StructType):
