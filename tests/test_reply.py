@@ -534,10 +534,16 @@ def test_usage_mapping():
     }
 
 
-def test_usage_details_are_null_when_unknown():
-    got = usage()
-    assert got["input_tokens_details"] == {"cached_tokens": None}
-    assert got["output_tokens_details"] == {"reasoning_tokens": None}
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"prompt_tokens_details": None, "completion_tokens_details": None}],
+    ids=["absent", "null"],
+)
+def test_usage_details_are_zero_when_unknown(fields):
+    # Integers on the wire, as the SDK types them: Codex rejects a null (NeMo Gym 0.7.0 copies it).
+    got = usage(**fields)
+    assert got["input_tokens_details"] == {"cached_tokens": 0}
+    assert got["output_tokens_details"] == {"reasoning_tokens": 0}
 
 
 @pytest.mark.parametrize(
@@ -550,13 +556,13 @@ def test_usage_details_are_null_when_unknown():
         ({"prompt_tokens_details": {"cached_tokens": None}, "cached_input_tokens": 3}, 3),
         ({"prompt_tokens_details": {}, "cache_read_input_tokens": 2}, 2),
         ({"cache_read_input_tokens": 2}, 2),
-        ({"prompt_tokens_details": {"cached_tokens": None}}, None),
-        ({"prompt_tokens_details": {"cached_tokens": -1}}, None),
-        ({"prompt_tokens_details": {"cached_tokens": 1.5}}, None),
-        ({"prompt_tokens_details": {"cached_tokens": "4"}}, None),
-        ({"prompt_tokens_details": {"cached_tokens": True}}, None),
-        ({"cached_input_tokens": -3}, None),
-        ({"cache_read_input_tokens": "2"}, None),
+        ({"prompt_tokens_details": {"cached_tokens": None}}, 0),
+        ({"prompt_tokens_details": {"cached_tokens": -1}}, 0),
+        ({"prompt_tokens_details": {"cached_tokens": 1.5}}, 0),
+        ({"prompt_tokens_details": {"cached_tokens": "4"}}, 0),
+        ({"prompt_tokens_details": {"cached_tokens": True}}, 0),
+        ({"cached_input_tokens": -3}, 0),
+        ({"cache_read_input_tokens": "2"}, 0),
     ],
 )
 def test_cached_tokens_and_fallbacks(fields, cached):
@@ -571,11 +577,11 @@ def test_cached_tokens_and_fallbacks(fields, cached):
         ({"reasoning_output_tokens": 9}, 9),
         ({"completion_tokens_details": None, "reasoning_output_tokens": 9}, 9),
         ({"completion_tokens_details": {"reasoning_tokens": None}, "reasoning_output_tokens": 9}, 9),
-        ({"completion_tokens_details": {"reasoning_tokens": None}}, None),
-        ({"completion_tokens_details": {"reasoning_tokens": -2}}, None),
-        ({"completion_tokens_details": {"reasoning_tokens": 2.0}}, None),
-        ({"completion_tokens_details": {"reasoning_tokens": False}}, None),
-        ({"reasoning_output_tokens": "9"}, None),
+        ({"completion_tokens_details": {"reasoning_tokens": None}}, 0),
+        ({"completion_tokens_details": {"reasoning_tokens": -2}}, 0),
+        ({"completion_tokens_details": {"reasoning_tokens": 2.0}}, 0),
+        ({"completion_tokens_details": {"reasoning_tokens": False}}, 0),
+        ({"reasoning_output_tokens": "9"}, 0),
     ],
 )
 def test_reasoning_tokens_and_fallback(fields, reasoning):

@@ -406,6 +406,18 @@ def test_responses_stream_without_usage_chunk_has_null_usage():
     )
 
 
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_responses_stream_usage_details_are_integers_in_the_terminal_event(finish):
+    # vLLM's usage chunk (dumped with exclude_none) has no details: Codex still needs integers there.
+    chunks = vllm.chunks(vllm.content("hi"), finish)
+    chunks[-1]["usage"] = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    events, _, final = _run(chunks, parser=True, continued=False)
+    usage = events[-1]["response"]["usage"]
+    assert usage["input_tokens_details"] == {"cached_tokens": 0}
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+    assert _as_json(final)["usage"] == usage
+
+
 @pytest.mark.parametrize("finish", vllm.FINISH_REASONS)
 def test_responses_stream_empty_answer_has_one_empty_message(finish):
     events, _, final = _run(vllm.chunks([], finish), parser=True, continued=False)

@@ -50,6 +50,9 @@ async def test_responses_text_turn(client, fake_vllm):
     assert response.usage.input_tokens > 0 and response.usage.total_tokens == (
         response.usage.input_tokens + response.usage.output_tokens
     )
+    # The fake, as vLLM, reports `prompt_tokens_details: null`: the Response still carries integers.
+    assert response.usage.input_tokens_details.cached_tokens == 0
+    assert response.usage.output_tokens_details.reasoning_tokens == 0
 
 
 async def test_responses_reasoning_and_tool_call(client, fake_vllm):

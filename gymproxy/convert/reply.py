@@ -274,11 +274,12 @@ def echo(req: ResponsesRequest) -> dict[str, Any]:
 
 
 def _count(value: Any) -> int | None:
-    """Only non-negative integers count as a usage detail; anything else is unknown (null)."""
+    """Only non-negative integers count as a usage detail; anything else is not reported."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def to_usage(usage: Usage | None) -> ResponseUsage | None:
+    """vLLM's usage as a Response's (spec 8.4); a detail vLLM does not report is 0, never null."""
     if usage is None:
         return None
     cached = _count(usage.prompt_tokens_details.cached_tokens) if usage.prompt_tokens_details else None
@@ -291,9 +292,9 @@ def to_usage(usage: Usage | None) -> ResponseUsage | None:
         reasoning = _count(usage.reasoning_output_tokens)
     return ResponseUsage(
         input_tokens=usage.prompt_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=cached),
+        input_tokens_details=InputTokensDetails(cached_tokens=cached or 0),
         output_tokens=usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning or 0),
         total_tokens=usage.total_tokens,
     )
 

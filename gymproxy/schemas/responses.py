@@ -278,12 +278,14 @@ class CustomToolCallItem(TokenFields, tag_field="type", tag="custom_tool_call", 
 OutputItem = ReasoningItem | MessageItem | FunctionCallItem | CustomToolCallItem
 
 
+# The detail counts are integers on the wire (0 when vLLM reports none): Codex CLI fails to parse a
+# `response.completed` whose usage carries a null there. NeMo Gym 0.7.0 copies the null.
 class InputTokensDetails(Reply):
-    cached_tokens: int | None = None
+    cached_tokens: int = 0
 
 
 class OutputTokensDetails(Reply):
-    reasoning_tokens: int | None = None
+    reasoning_tokens: int = 0
 
 
 class ResponseUsage(Reply, kw_only=True):
