@@ -32,6 +32,7 @@ import gymproxy.exchange as exchange
 import gymproxy.routes as routes
 from gymproxy import cli
 from gymproxy.convert.boundary import Boundary
+from gymproxy.intake import RequestReader
 
 _clock = time.perf_counter_ns
 
@@ -100,7 +101,7 @@ def install() -> None:
     routes.responses = _counted("responses", routes.responses)
     routes.chat_completions = _counted("chat_completions", routes.chat_completions)
     routes.read_body = _timed_async("read the request body", routes.read_body)
-    routes.decode_responses = _timed("decode the Responses request", routes.decode_responses)
+    RequestReader.decode = _timed("decode the Responses request", RequestReader.decode)  # type: ignore[method-assign]
     routes.decode_chat = _timed("decode the chat request", routes.decode_chat)
     routes.to_chat_body = _timed("to_chat_body", routes.to_chat_body)
     Boundary.prepare = _timed("Boundary.prepare", Boundary.prepare)  # type: ignore[method-assign]

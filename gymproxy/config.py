@@ -148,6 +148,9 @@ class Config(Settings, frozen=True, kw_only=True):
 
     # --- gymproxy's own keys ---
     upstreams: list[UpstreamSpec] = []
+    # A /v1/responses top-level field outside the Responses API's set: a 400 naming it, or dropped
+    # (with a warning once per name) for clients that send their own.
+    unknown_fields: Literal["reject", "drop"] = "reject"
     pinning: Pinning = Pinning()
     health: Health = Health()
     default_query: dict[str, str] = {}

@@ -13,6 +13,7 @@ from .config import Config
 from .convert import boundary, completions
 from .fleet import Fleet
 from .http1 import Aborted
+from .intake import RequestReader
 from .metrics import Metrics
 from .templates import ChatTemplate
 
@@ -36,6 +37,7 @@ class Proxy:
         self.metrics = Metrics()
         self.fleet = Fleet(config, self.metrics)
         self.boundary = boundary.Boundary(rules(boundary.Rules, config))
+        self.requests = RequestReader(drop_unknown_fields=config.unknown_fields == "drop")
         self.completions = rules(completions.Rules, config) if config.use_completions_api else None
         # The completions backend's chat template, loaded once; a bad tokenizer fails at startup.
         self.template = (

@@ -34,7 +34,6 @@ from .pinning import read_cookie
 from .proxy import Proxy
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
-from .schemas.responses import REQUEST_DECODER, ResponsesRequest
 
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
@@ -85,7 +84,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> 
 async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
-    req = decode_responses(await read_body(request, config))
+    req = proxy.requests.decode(await read_body(request, config))
     _add_user(caller, req.user, config)
     stream = req.stream is True
     answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser)
@@ -270,18 +269,6 @@ def end_stalled_body(idle: float) -> bool:
             watch.expire("the request body stalled while gymproxy was at its limit of client connections")
             return True
     return False
-
-
-def decode_responses(raw: bytes) -> ResponsesRequest:
-    try:
-        return REQUEST_DECODER.decode(raw)
-    except RecursionError:
-        raise BadRequest(TOO_DEEP) from None
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        error = from_validation(exc)
-        if "unknown field" in error.message and error.param and "." not in error.param and "[" not in error.param:
-            error.message += "; vLLM sampling extras go in metadata.extra_body (a JSON string)"
-        raise error from exc
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:

@@ -97,12 +97,11 @@ def test_null_fields_count_as_not_sent():
     assert body == {"messages": [USER_X]}
 
 
+# A meaning gymproxy cannot honour: answering anyway would answer another request (README table).
 REFUSED = {
     "background": True,
-    "context_management": [{"type": "compaction"}],
+    "context_management": [{"type": "compaction", "compact_threshold": 1000}],
     "conversation": "conv_1",
-    "include": ["reasoning.encrypted_content"],
-    "max_tool_calls": 3,
     "previous_response_id": "resp_1",
     "prompt": {"id": "pmpt_1"},
     "truncation": "auto",
@@ -110,18 +109,46 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))
-def test_each_field_without_a_chat_representation_is_refused(field):
+def test_each_field_gymproxy_cannot_honour_is_refused_saying_why(field):
     error = refused(input="x", **{field: REFUSED[field]})
     assert error.param == field
     assert f"[{field!r}]" in error.message
     assert "have no Chat Completions representation" in error.message
+    assert f"{field}: " in error.message  # the reason
 
 
 def test_refused_fields_are_listed_sorted_and_checked_before_the_input():
     # The input item is itself unconvertible: the field refusal must win.
-    error = refused(input=[{"type": "web_search_call"}], truncation="auto", background=False, include=[])
-    assert "['background', 'include', 'truncation']" in error.message
+    error = refused(input=[{"type": "web_search_call"}], truncation="auto", background=True, prompt={"id": "p"})
+    assert "['background', 'prompt', 'truncation']" in error.message
     assert error.param == "background"
+
+
+# Accepted and not sent: no vLLM meaning, and the request is answered as asked without them.
+IGNORED = {
+    "background": False,
+    "truncation": "disabled",
+    "context_management": [],
+    "store": False,
+    "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
+    "safety_identifier": "s-1",
+    "moderation": {"model": "omni-moderation-latest"},
+    "max_tool_calls": 3,
+    "background_options": {"completion_window": "soonest"},
+    "access_programs": {"cyber": "standard"},
+    "image": {"context_compression": "auto"},
+    "client_metadata": {"x-codex-installation-id": "i-1", "session_id": "s"},
+    "stream_options": {"include_obfuscation": False},
+}
+
+
+@pytest.mark.parametrize("field", sorted(IGNORED))
+def test_fields_without_a_vllm_meaning_are_accepted_and_not_sent(field):
+    assert chat(input="x", **{field: IGNORED[field]}) == {"messages": [USER_X]}
 
 
 def test_model_is_copied():
@@ -140,14 +167,7 @@ PASSED = {
     "temperature": 0.25,
     "top_p": 0.5,
     "user": "u-1",
-    "store": False,
-    "service_tier": "auto",
     "top_logprobs": 2,
-    "prompt_cache_key": "k",
-    "prompt_cache_retention": "24h",
-    "safety_identifier": "s-1",
-    "moderation": {"mode": "off"},
-    "stream_options": {"include_obfuscation": False},
 }
 
 
@@ -159,10 +179,6 @@ def test_passthrough_fields_keep_their_name_and_value(field):
 
 def test_stream_false_is_forwarded():
     assert chat(input="x", stream=False)["stream"] is False
-
-
-def test_stream_options_drops_null_members():
-    assert chat(input="x", stream_options={"include_obfuscation": None})["stream_options"] == {}
 
 
 # --- 5.1 step 7: reasoning --------------------------------------------------------------------
@@ -179,18 +195,15 @@ def test_reasoning_without_effort_adds_nothing():
 
 
 @pytest.mark.parametrize(
-    ("reasoning_field", "value"),
-    [("summary", "auto"), ("generate_summary", "concise"), ("context", {"keep": "all"})],
+    "members",
+    [{"summary": "auto"}, {"generate_summary": "concise"}, {"context": "all_turns"}, {"mode": "standard"}],
 )
-def test_other_reasoning_fields_are_refused(reasoning_field, value):
-    error = refused(input="x", reasoning={"effort": "low", reasoning_field: value})
-    assert error.param == f"reasoning.{reasoning_field}"
-    assert f"[{reasoning_field!r}]" in error.message
-
-
-def test_all_refused_reasoning_fields_are_named():
-    error = refused(input="x", reasoning={"summary": "auto", "generate_summary": "auto"})
-    assert "['generate_summary', 'summary']" in error.message
+def test_other_reasoning_members_are_accepted_and_not_sent(members):
+    # Codex sends `summary: "auto"`: the model's reasoning comes back as a summary anyway.
+    assert chat(input="x", reasoning={"effort": "low", **members}) == {
+        "messages": [USER_X],
+        "reasoning_effort": "low",
+    }
 
 
 # --- 5.1 step 8: text -------------------------------------------------------------------------
@@ -703,12 +716,65 @@ def test_tool_choice_conversion(choice, expected):
     assert chat(input="x", tools=tools, tool_choice=choice)["tool_choice"] == expected
 
 
-@pytest.mark.parametrize("ref", [{"type": "web_search"}, {"type": "function"}, {"type": "mcp", "name": "srv"}])
-def test_allowed_tools_with_a_non_function_or_custom_ref_is_refused(ref):
+@pytest.mark.parametrize("ref", [{"type": "web_search"}, {"type": "mcp", "server_label": "srv"}, {"type": "teleport"}])
+def test_allowed_tools_drops_refs_to_hosted_tools(ref):
+    # The hosted tool is dropped from `tools`, so it drops out of what the model may call.
     choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "f"}, ref]}
+    body = chat(input="x", tools=[{"type": "function", "name": "f"}, {"type": "web_search"}], tool_choice=choice)
+    assert body["tool_choice"] == {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+    }
+
+
+def test_allowed_tools_of_only_hosted_tools_is_refused():
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]}
+    error = refused(input="x", tools=[{"type": "function", "name": "f"}, {"type": "web_search"}], tool_choice=choice)
+    assert error.param == "tool_choice.tools"
+    assert "only hosted tools" in error.message
+
+
+def test_allowed_tools_function_ref_needs_a_name():
+    choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function"}]}
     error = refused(input="x", tools=[{"type": "function", "name": "f"}], tool_choice=choice)
-    assert error.param == "tool_choice.tools[1]"
-    assert "has no Chat representation" in error.message
+    assert error.param == "tool_choice.tools[0].name"
+
+
+HOSTED = [
+    {"type": "web_search", "search_context_size": "low"},
+    {"type": "web_search_preview"},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+    {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
+    {"type": "mcp", "server_label": "s"},
+    {"type": "code_interpreter", "container": {"type": "auto"}},
+    {"type": "image_generation"},
+    {"type": "local_shell"},
+    {"type": "shell"},
+    {"type": "apply_patch"},
+]
+
+
+def test_hosted_tools_are_dropped_from_what_goes_to_vllm():
+    body = chat(input="x", tools=[HOSTED[0], {"type": "function", "name": "f"}, *HOSTED[1:]], tool_choice="auto")
+    assert body["tools"] == [{"type": "function", "function": {"name": "f"}}]
+    assert body["tool_choice"] == "auto"
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", None])
+def test_only_hosted_tools_is_no_tools(choice):
+    assert chat(input="x", tools=HOSTED, tool_choice=choice, parallel_tool_calls=True) == {"messages": [USER_X]}
+
+
+def test_only_hosted_tools_and_a_required_choice_is_refused():
+    assert refused(input="x", tools=HOSTED, tool_choice="required").param == "tool_choice"
+
+
+@pytest.mark.parametrize("tools", [HOSTED, [{"type": "function", "name": "f"}, *HOSTED]])
+@pytest.mark.parametrize("choice", [{"type": "web_search_preview"}, {"type": "mcp", "server_label": "s"}])
+def test_tool_choice_naming_a_hosted_tool_is_refused(tools, choice):
+    error = refused(input="x", tools=tools, tool_choice=choice)
+    assert error.param == "tool_choice.type"
+    assert f"'{choice['type']}'" in error.message and "drops" in error.message
 
 
 def test_tool_choice_and_parallel_tool_calls_are_forwarded_only_when_sent():

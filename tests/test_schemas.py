@@ -7,6 +7,7 @@ Decode failures are checked the way a client sees them: through `errors.from_val
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import msgspec
@@ -15,7 +16,15 @@ import pytest
 
 from gymproxy.errors import BadRequest, from_validation
 from gymproxy.schemas.chat import COMPLETION_DECODER
-from gymproxy.schemas.responses import REFUSED_FIELDS, REQUEST_DECODER, FunctionChoice, FunctionTool, ResponsesRequest
+from gymproxy.schemas.responses import (
+    HOSTED_TOOL_TYPES,
+    REQUEST_DECODER,
+    FunctionChoice,
+    FunctionTool,
+    HostedChoice,
+    HostedTool,
+    ResponsesRequest,
+)
 
 
 def decode(body: dict[str, Any]) -> ResponsesRequest:
@@ -160,6 +169,51 @@ def test_items_and_parts_ignore_unknown_keys():
     assert req.input[2].summary[0].text == "t"
 
 
+def test_codex_reasoning_items_with_null_summary_and_encrypted_content_decode():
+    req = decode(
+        {
+            "input": [
+                {"type": "reasoning", "id": "rs_1", "summary": None, "content": None, "encrypted_content": "gAAA"},
+                {
+                    "type": "reasoning",
+                    "id": "rs_2",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "r"}],
+                },
+            ]
+        }
+    )
+    assert req.input[0].summary is None and req.input[1].summary == []
+
+
+def test_newer_sdk_tool_members_decode():
+    tool = {
+        "type": "function",
+        "name": "f",
+        "parameters": None,
+        "strict": None,
+        "allowed_callers": ["direct"],
+        "output_schema": {"type": "object"},
+        "async": False,
+    }
+    (decoded,) = decode({"input": "x", "tools": [tool]}).tools
+    assert (decoded.allowed_callers, decoded.output_schema, decoded.async_) == (["direct"], {"type": "object"}, False)
+
+
+def test_every_reasoning_member_of_the_sdk_decodes():
+    from openai.types.shared_params.reasoning import Reasoning
+
+    members = {
+        "context": "all_turns",
+        "effort": "high",
+        "generate_summary": "auto",
+        "mode": "standard",
+        "summary": "auto",
+    }
+    assert set(members) == set(Reasoning.__annotations__)
+    assert msgspec.structs.asdict(decode({"input": "x", "reasoning": members}).reasoning) == members
+
+
 @pytest.mark.parametrize("role", ["tool", "function", "model", ""])
 def test_message_roles_outside_the_responses_set_are_rejected(role):
     error = invalid({"input": [{"role": "user", "content": "q"}, {"role": role, "content": "x"}]})
@@ -198,22 +252,31 @@ def test_chat_style_tool_calls_on_assistant_items_decode():
 @pytest.mark.parametrize(
     "tool",
     [
-        {"type": "web_search"},
+        {"type": "web_search", "search_context_size": "low"},
         {"type": "web_search_preview"},
         {"type": "file_search", "vector_store_ids": ["vs_1"]},
         {"type": "code_interpreter", "container": {"type": "auto"}},
         {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
-        {"type": "image_generation"},
+        {"type": "image_generation", "quality": "high"},
         {"type": "local_shell"},
         {"type": "shell"},
         {"type": "apply_patch"},
-        {"type": "mcp", "server_label": "s"},
-        {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f"}]},
+        {"type": "mcp", "server_label": "s", "require_approval": "never"},
+        {"type": "tool_search"},
     ],
 )
-def test_hosted_tool_types_are_rejected(tool):
-    error = invalid({"input": "x", "tools": [{"type": "function", "name": "f"}, tool]})
-    assert error.param == "tools[1].type"
+def test_hosted_tools_decode_without_their_members_being_read(tool):
+    req = decode({"input": "x", "tools": [{"type": "function", "name": "f"}, tool]})
+    assert isinstance(req.tools[1], HostedTool) and req.tools[1].kind == tool["type"]
+
+
+def test_hosted_tool_types_cover_the_sdk():
+    """Every tool type of the installed SDK's `ToolParam` is known: function, custom, or hosted."""
+    from openai.types.responses.tool_param import ToolParam
+
+    sdk = {kind for cls in typing.get_args(ToolParam) for kind in typing.get_args(typing.get_type_hints(cls)["type"])}
+    assert {"function", "custom", "namespace", "web_search", "mcp"} <= sdk
+    assert sdk - {"function", "custom", "namespace"} <= set(HOSTED_TOOL_TYPES)
 
 
 @pytest.mark.parametrize(
@@ -221,14 +284,21 @@ def test_hosted_tool_types_are_rejected(tool):
     [
         {"type": "web_search_preview"},
         {"type": "file_search"},
+        {"type": "computer_use"},
         {"type": "mcp", "server_label": "s"},
         {"type": "shell"},
         {"type": "apply_patch"},
     ],
 )
-def test_hosted_tool_choice_types_are_rejected(choice):
-    error = invalid({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": choice})
-    assert error.param == "tool_choice.type"
+def test_hosted_tool_choices_decode_so_the_conversion_can_refuse_them(choice):
+    req = decode({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": choice})
+    assert isinstance(req.tool_choice, HostedChoice) and req.tool_choice.kind == choice["type"]
+
+
+def test_unknown_tool_type_fails_the_plain_decode():
+    # intake.RequestReader drops such tools (tests/test_intake.py); the decoder alone names the field.
+    error = invalid({"input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "teleport"}]})
+    assert error.param == "tools[1].type"
 
 
 def test_function_tool_and_choice_decode():
@@ -260,9 +330,16 @@ def test_metadata_control_keys_are_strings_holding_json():
 # --- presence ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field", REFUSED_FIELDS)
-def test_refused_fields_decode_so_the_conversion_can_refuse_them(field):
-    assert getattr(decode({"input": "x", field: "anything"}), field) == "anything"
+def _sdk_fields() -> set[str]:
+    from openai.types.responses import response_create_params
+
+    return set(response_create_params.ResponseCreateParamsBase.__annotations__) | {"stream"}
+
+
+def test_the_request_has_every_field_of_the_sdk_and_only_codex_cli_adds_one():
+    fields = set(ResponsesRequest.__struct_encode_fields__)
+    assert _sdk_fields() <= fields, f"fields the installed openai SDK has and gymproxy lacks: {_sdk_fields() - fields}"
+    assert fields - _sdk_fields() == {"client_metadata"}  # Codex CLI sends it; the SDK has no such field
 
 
 def test_null_means_not_sent():

@@ -6,14 +6,13 @@ share the vLLM-boundary rewrite in `boundary.py`. Every refusal is a `BadRequest
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
 from ..errors import BadRequest
 from ..schemas.responses import (
     NULL,
-    REFUSED_FIELDS,
     AllowedToolsChoice,
     ContentPart,
     CustomChoice,
@@ -22,6 +21,8 @@ from ..schemas.responses import (
     FormatJSONSchema,
     FunctionChoice,
     FunctionTool,
+    HostedChoice,
+    HostedTool,
     ImageURL,
     InputItem,
     ResponsesRequest,
@@ -45,14 +46,15 @@ def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dic
     Token metadata on input items (a training client echoing earlier turns) is validated but never
     sent: vLLM does not read it, and it would multiply the size of long rollouts.
     """
-    refused = [name for name in REFUSED_FIELDS if getattr(req, name) is not None]
-    if refused:
-        refused.sort()
-        raise BadRequest(
-            f"Responses request field(s) {refused} have no Chat Completions representation, so this "
-            "request cannot be downconverted. Route it to a model server that passes Responses through.",
-            param=refused[0],
-        )
+    if (
+        req.background
+        or req.context_management
+        or req.conversation is not None
+        or req.previous_response_id is not None
+        or req.prompt is not None
+        or req.truncation == "auto"
+    ):
+        _refuse_fields(req)
     turns = _Turns(boundary)
     if isinstance(req.input, str):
         turns.messages.append({"role": "user", "content": [{"type": "text", "text": req.input}]})
@@ -79,28 +81,49 @@ def to_chat_body(req: ResponsesRequest, boundary: Boundary | None = None) -> dic
         value = getattr(req, name)
         if value is not None:
             body[name] = value
-    if req.stream_options is not None:
-        body["stream_options"] = {k: v for k, v in msgspec.structs.asdict(req.stream_options).items() if v is not None}
     if req.stream is False:
         body["stream"] = False
     return body
 
 
-# Request fields forwarded under the same name when sent (spec 5.1 step 10; `stream_options`,
-# `stream` and `parallel_tool_calls` are forwarded by their own rules).
-_PASSED = (
-    "metadata",
-    "temperature",
-    "top_p",
-    "user",
-    "store",
-    "service_tier",
-    "top_logprobs",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "safety_identifier",
-    "moderation",
-)
+# Request fields forwarded under the same name when sent (spec 5.1 step 10, less the fields that
+# mean nothing to vLLM: `store`, `service_tier`, `prompt_cache_*`, `safety_identifier`, `moderation`
+# and `stream_options` are accepted and not sent; `stream` and `parallel_tool_calls` have their own
+# rules).
+_PASSED = ("metadata", "temperature", "top_p", "user", "top_logprobs")
+
+# The fields whose meaning gymproxy cannot honour: answering anyway would answer another request.
+_CANNOT = {
+    "background": "`background: true` asks for a response fetched later, and gymproxy answers in the "
+    "request itself (send false, or leave it out)",
+    "context_management": "server-side context compaction is not something gymproxy or vLLM does",
+    "conversation": "gymproxy keeps no stored conversations: send the whole conversation in `input`",
+    "previous_response_id": "gymproxy keeps no earlier responses: send the whole conversation in `input`",
+    "prompt": "gymproxy keeps no stored prompt templates: send the prompt's text in `instructions` or `input`",
+    "truncation": '`truncation: "auto"` drops the oldest input items when the context is full, which '
+    'gymproxy does not do (send "disabled", or leave it out)',
+}
+
+
+def _refuse_fields(req: ResponsesRequest) -> NoReturn:
+    """The 400 for every field sent with a meaning gymproxy cannot honour (checked before the input)."""
+    refused = sorted(
+        name
+        for name, value in (
+            ("background", req.background),
+            ("context_management", req.context_management),
+            ("conversation", req.conversation is not None),
+            ("previous_response_id", req.previous_response_id is not None),
+            ("prompt", req.prompt is not None),
+            ("truncation", req.truncation == "auto"),
+        )
+        if value
+    )
+    raise BadRequest(
+        f"Responses request field(s) {refused} have no Chat Completions representation, so this request "
+        "cannot be downconverted: " + "; ".join(f"{name}: {_CANNOT[name]}" for name in refused) + ".",
+        param=refused[0],
+    )
 
 
 class _Turns:
@@ -140,7 +163,7 @@ class _Turns:
             self.messages.append({"content": output, "role": "tool", "tool_call_id": item.call_id})
         elif kind == "reasoning":
             self.pending = True
-            for part in item.summary:
+            for part in item.summary or ():
                 if part.text:
                     self.text.append(f"<think>{part.text}</think>")
                     self.thoughts.append(part.text)
@@ -316,14 +339,10 @@ def _fold_instructions(instructions: str, messages: list[dict[str, Any]]) -> lis
 
 
 def _reasoning(req: ResponsesRequest, body: dict[str, Any]) -> None:
+    """Only `effort` means something to vLLM; `summary` and the rest are accepted and not sent
+    (the model's reasoning comes back as a summary anyway)."""
     reasoning = req.reasoning
     assert reasoning is not None
-    others = [name for name in ("context", "generate_summary", "summary") if getattr(reasoning, name) is not None]
-    if others:
-        raise BadRequest(
-            f"Responses reasoning field(s) {others} have no Chat Completions representation.",
-            param=f"reasoning.{others[0]}",
-        )
     if reasoning.effort is not None:
         body["reasoning_effort"] = reasoning.effort
 
@@ -346,14 +365,20 @@ def _text_format(req: ResponsesRequest, body: dict[str, Any]) -> None:
 
 
 def _tools(req: ResponsesRequest, body: dict[str, Any], *, strict: bool) -> None:
-    """`tools`, `tool_choice`, `parallel_tool_calls`; function tools keep `strict` only if asked."""
-    if not req.tools:
+    """`tools`, `tool_choice`, `parallel_tool_calls`; function tools keep `strict` only if asked.
+
+    Hosted tools have no chat form and are dropped (`intake.RequestReader` says so in the log).
+    """
+    if isinstance(req.tool_choice, HostedChoice):
+        _refuse_hosted_choice(req.tool_choice)
+    tools = [_chat_tool(tool, i, strict) for i, tool in enumerate(req.tools or ()) if not isinstance(tool, HostedTool)]
+    if not tools:
         if req.tool_choice not in (None, "auto", "none"):
             raise BadRequest(
                 f"tool_choice={_choice_repr(req.tool_choice)} requires at least one tool", param="tool_choice"
             )
         return
-    body["tools"] = [_chat_tool(tool, i, strict) for i, tool in enumerate(req.tools)]
+    body["tools"] = tools
     if req.tool_choice is not None:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
@@ -394,16 +419,32 @@ def _chat_tool_choice(choice: ToolChoice) -> Any:
         return {"type": "function", "function": {"name": choice.name}}
     if isinstance(choice, CustomChoice):
         return {"type": "custom", "custom": {"name": choice.name}}
+    if isinstance(choice, HostedChoice):
+        _refuse_hosted_choice(choice)
     assert isinstance(choice, AllowedToolsChoice)
     refs = []
     for i, ref in enumerate(choice.tools):
-        if ref.type not in ("function", "custom") or ref.name is None:
+        if ref.type not in ("function", "custom"):
+            continue  # a hosted tool: dropped from `tools`, so from what the model may call
+        if ref.name is None:
             raise BadRequest(
-                f"Responses tool choice type '{ref.type}' has no Chat representation.",
-                param=f"tool_choice.tools[{i}]",
+                f"an allowed_tools entry of type '{ref.type}' needs a `name`", param=f"tool_choice.tools[{i}].name"
             )
         refs.append({"type": ref.type, ref.type: {"name": ref.name}})
+    if not refs:
+        raise BadRequest(
+            "tool_choice.tools lists only hosted tools, which gymproxy drops: the model would have none to call",
+            param="tool_choice.tools",
+        )
     return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": refs}}
+
+
+def _refuse_hosted_choice(choice: HostedChoice) -> NoReturn:
+    raise BadRequest(
+        f"Responses tool choice type '{choice.kind}' has no Chat representation: gymproxy drops "
+        f"{choice.kind} tools, so the model cannot be made to call one.",
+        param="tool_choice.type",
+    )
 
 
 def _choice_repr(choice: ToolChoice | None) -> str:

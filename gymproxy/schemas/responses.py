@@ -1,13 +1,14 @@
 """The OpenAI Responses API: the request gymproxy accepts and the Response object it returns.
 
-Strictness follows NeMo Gym's validation: the top level and its structured members (tools,
-tool_choice, reasoning, text) reject unknown keys; input items and their content parts ignore
-them, as the SDK's item types do.
+The request holds every field of the Responses API's (openai-python 3.57). Strictness follows NeMo
+Gym's validation: the top level and its structured members (tools, tool_choice, reasoning, text)
+reject unknown keys, except hosted tools, whose members are never read; input items and their
+content parts ignore them, as the SDK's item types do.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, Union
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -59,7 +60,7 @@ class InputItem(Wire, kw_only=True):
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
     phase: Any = None
-    summary: list[SummaryPart] = []
+    summary: list[SummaryPart] | None = None  # a reasoning item's; Codex may send null
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
@@ -84,6 +85,10 @@ class FunctionTool(Strict, tag_field="type", tag="function", kw_only=True):
     strict: bool | None = None
     description: str | None = None
     defer_loading: bool | None = None
+    # No chat form: accepted, echoed only when sent, never sent to vLLM.
+    allowed_callers: list[str] | None | UnsetType = UNSET
+    output_schema: dict[str, Any] | None | UnsetType = UNSET
+    async_: bool | UnsetType = msgspec.field(default=UNSET, name="async")
 
 
 class CustomTool(Strict, tag_field="type", tag="custom", kw_only=True):
@@ -91,9 +96,70 @@ class CustomTool(Strict, tag_field="type", tag="custom", kw_only=True):
     description: str | None = None
     format: dict[str, Any] | None = None
     defer_loading: bool | None = None
+    allowed_callers: list[str] | None | UnsetType = UNSET
+    async_: bool | UnsetType = msgspec.field(default=UNSET, name="async")
 
 
-Tool = FunctionTool | CustomTool
+class HostedTool(msgspec.Struct):
+    """A tool OpenAI runs itself (web search, MCP, a shell, ...): it has no chat form, so it is
+    dropped. Its members are not read (so not checked)."""
+
+    @property
+    def kind(self) -> str:
+        """The tool's `type`."""
+        tag: str = self.__struct_config__.tag  # type: ignore[assignment]  # every subclass has one
+        return tag
+
+
+class HostedChoice(msgspec.Struct):
+    """A `tool_choice` naming a hosted tool type: refused, as the tool is dropped."""
+
+    @property
+    def kind(self) -> str:
+        """The tool type named."""
+        tag: str = self.__struct_config__.tag  # type: ignore[assignment]
+        return tag
+
+
+# The hosted tool types of openai-python 3.57's `ToolParam` (and `computer_use`, a `tool_choice`
+# type). A tool of a type in neither `TOOL_TYPES` nor this list is dropped too, by
+# `intake.RequestReader`, on a slower path (the body is decoded twice).
+HOSTED_TOOL_TYPES: Final = (
+    "apply_patch",
+    "code_interpreter",
+    "computer",
+    "computer_use",
+    "computer_use_preview",
+    "file_search",
+    "image_generation",
+    "local_shell",
+    "mcp",
+    "programmatic_tool_calling",
+    "shell",
+    "tool_search",
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+)
+TOOL_TYPES: Final = frozenset(("function", "custom", *HOSTED_TOOL_TYPES))
+
+
+def _hosted(base: type[msgspec.Struct], prefix: str) -> tuple[type[msgspec.Struct], ...]:
+    """One lenient tagged Struct per hosted type (msgspec dispatches a union on the tag)."""
+    return tuple(
+        msgspec.defstruct(f"{prefix}_{kind}", [], bases=(base,), tag_field="type", tag=kind, module=__name__)
+        for kind in HOSTED_TOOL_TYPES
+    )
+
+
+_HOSTED_TOOLS: Final = _hosted(HostedTool, "HostedTool")
+_HOSTED_CHOICES: Final = _hosted(HostedChoice, "HostedChoice")
+
+if TYPE_CHECKING:
+    Tool = FunctionTool | CustomTool | HostedTool
+else:
+    Tool = Union[(FunctionTool, CustomTool) + _HOSTED_TOOLS]  # noqa: UP007
 
 
 class FunctionChoice(Strict, tag_field="type", tag="function"):
@@ -107,6 +173,7 @@ class CustomChoice(Strict, tag_field="type", tag="custom"):
 class ToolRef(Strict, kw_only=True):
     type: str
     name: str | None = None
+    server_label: str | UnsetType = UNSET  # an `mcp` ref's
 
 
 class AllowedToolsChoice(Strict, tag_field="type", tag="allowed_tools"):
@@ -114,14 +181,22 @@ class AllowedToolsChoice(Strict, tag_field="type", tag="allowed_tools"):
     tools: list[ToolRef]
 
 
-ToolChoice = Literal["auto", "none", "required"] | FunctionChoice | CustomChoice | AllowedToolsChoice
+if TYPE_CHECKING:
+    ToolChoice = Literal["auto", "none", "required"] | FunctionChoice | CustomChoice | AllowedToolsChoice | HostedChoice
+else:
+    ToolChoice = Union[  # noqa: UP007
+        (Literal["auto", "none", "required"], FunctionChoice, CustomChoice, AllowedToolsChoice) + _HOSTED_CHOICES
+    ]
 
 
 class ReasoningParams(Strict, kw_only=True):
+    """`reasoning`: only `effort` has a vLLM meaning (`reasoning_effort`); the rest is accepted."""
+
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None
     context: Any = None
+    mode: str | None = None
 
 
 class ReasoningEcho(Reply, kw_only=True):
@@ -129,6 +204,7 @@ class ReasoningEcho(Reply, kw_only=True):
     effort: str | None = None
     generate_summary: str | None = None
     summary: str | None = None
+    mode: str | UnsetType = UNSET  # newer than the key set NeMo Gym echoes: only when sent
 
 
 class FormatText(Strict, tag_field="type", tag="text"):
@@ -167,8 +243,13 @@ class StreamOptions(Strict, kw_only=True):
 
 
 class ResponsesRequest(Strict, kw_only=True):
-    """`POST /v1/responses`. A null field counts as not sent, as in NeMo Gym (exclude-none)."""
+    """`POST /v1/responses`: every field of openai-python 3.57's `ResponseCreateParams`, and Codex
+    CLI's `client_metadata`. A null field counts as not sent, as in NeMo Gym (exclude-none).
 
+    README's "Responses request fields" says what becomes of each.
+    """
+
+    # Sent to vLLM (converted by `convert/request.py`).
     input: str | list[InputItem]
     model: str | None = None
     instructions: str | None = None
@@ -183,35 +264,30 @@ class ResponsesRequest(Strict, kw_only=True):
     reasoning: ReasoningParams | None = None
     text: TextParams | None = None
     user: str | None = None
+    stream: bool | None = None
+    # Accepted and not sent: no vLLM meaning, and ignoring them answers the request as asked.
+    stream_options: StreamOptions | None = None
     store: bool | None = None
+    include: list[str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
     moderation: Any = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    # No Chat Completions representation: refused when sent non-null.
-    background: Any = None
-    context_management: Any = None
-    conversation: Any = None
-    include: Any = None
-    max_tool_calls: Any = None
-    previous_response_id: Any = None
-    prompt: Any = None
-    truncation: Any = None
+    max_tool_calls: int | None = None
+    background_options: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None
+    # Refused when they ask for what gymproxy cannot do (`convert.request.refusals`).
+    background: bool | None = None
+    context_management: list[Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    prompt: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
 
-
-REFUSED_FIELDS: Final = (
-    "background",
-    "context_management",
-    "conversation",
-    "include",
-    "max_tool_calls",
-    "previous_response_id",
-    "prompt",
-    "truncation",
-)
 
 REQUEST_DECODER: Final = msgspec.json.Decoder(ResponsesRequest)
 
