@@ -417,12 +417,6 @@ def test_function_call_becomes_a_tool_call_and_drops_its_own_id_and_status():
     assert got == [{"content": None, "role": "assistant", "tool_calls": [chat_call()]}]
 
 
-def test_function_call_namespace_is_refused():
-    error = refused(input=[call(namespace="weather")])
-    assert error.param == "input[0].namespace"
-    assert "namespace" in error.message
-
-
 def test_function_call_output_string():
     assert messages([output(out="sunny")]) == [{"content": "sunny", "role": "tool", "tool_call_id": "call_1"}]
 

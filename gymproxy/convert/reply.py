@@ -38,6 +38,7 @@ from ..schemas.responses import (
     TextEcho,
 )
 from .boundary import split_think
+from .namespaces import namespace_map, restore
 from .tokens import TokenInfo, attach_to_chat
 
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -222,11 +223,16 @@ def to_response(
     message = assistant_message(completion, parser=parser, continued=continued)
     choice = completion.choices[0]
     reason = INCOMPLETE_REASONS.get(choice.finish_reason or "")
+    output = output_items(message, parse_think=parser)
+    if message.tool_calls and req.tools:
+        names = namespace_map(req.tools)
+        if names:
+            restore(output, names)
     response = Response(
         id=response_id or new_id("resp"),
         created_at=float(completion.created or time.time()),
         model=model if model is not None else completion.model,
-        output=output_items(message, parse_think=parser),
+        output=output,
         status="incomplete" if reason else "completed",
         incomplete_details=IncompleteDetails(reason=reason) if reason else None,
         usage=to_usage(completion.usage),

@@ -6,6 +6,7 @@ share the vLLM-boundary rewrite in `boundary.py`. Every refusal is a `BadRequest
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -22,13 +23,15 @@ from ..schemas.responses import (
     FunctionChoice,
     FunctionTool,
     HostedChoice,
-    HostedTool,
     ImageURL,
     InputItem,
+    NamespaceTool,
     ResponsesRequest,
+    Tool,
     ToolChoice,
 )
 from .boundary import Boundary
+from .namespaces import flat_name
 from .tokens import TOKEN_FIELDS
 
 _NO_CHAT = (
@@ -148,11 +151,14 @@ class _Turns:
     def add(self, item: InputItem, index: int) -> None:
         kind = item.type
         if kind == "function_call":
-            if item.call_id is None or item.name is None or item.arguments is None or item.namespace is not None:
+            name = item.name
+            if item.call_id is None or name is None or item.arguments is None:
                 _refuse_function_call(item, index)
+            if item.namespace:  # a call to a namespace tool's sub-tool: vLLM saw it flattened
+                name = flat_name(item.namespace, name)
             self.pending = True
             self.tool_calls.append(
-                {"id": item.call_id, "function": {"arguments": item.arguments, "name": item.name}, "type": "function"}
+                {"id": item.call_id, "function": {"arguments": item.arguments, "name": name}, "type": "function"}
             )
         elif kind == "function_call_output":
             if self.pending:
@@ -246,12 +252,7 @@ class _Turns:
                 self.refusal.append(part.refusal)
 
 
-def _refuse_function_call(item: InputItem, index: int) -> None:
-    if item.namespace is not None:
-        raise BadRequest(
-            "Responses function call namespace has no Chat Completions representation.",
-            param=f"{_at(index)}.namespace",
-        )
+def _refuse_function_call(item: InputItem, index: int) -> NoReturn:
     name = next(name for name in ("call_id", "name", "arguments") if getattr(item, name) is None)
     raise BadRequest(f"{_at(index)}: a function_call item needs `{name}`", param=f"{_at(index)}.{name}")
 
@@ -367,11 +368,22 @@ def _text_format(req: ResponsesRequest, body: dict[str, Any]) -> None:
 def _tools(req: ResponsesRequest, body: dict[str, Any], *, strict: bool) -> None:
     """`tools`, `tool_choice`, `parallel_tool_calls`; function tools keep `strict` only if asked.
 
-    Hosted tools have no chat form and are dropped (`intake.RequestReader` says so in the log).
+    A namespace tool's sub-tools become function tools named `<namespace>__<name>` (custom ones
+    too, as NeMo Gym does). Hosted tools have no chat form and are dropped (`intake.RequestReader`
+    says so in the log).
     """
     if isinstance(req.tool_choice, HostedChoice):
         _refuse_hosted_choice(req.tool_choice)
-    tools = [_chat_tool(tool, i, strict) for i, tool in enumerate(req.tools or ()) if not isinstance(tool, HostedTool)]
+    tools: list[dict[str, Any]] = []
+    namespaced = False
+    for i, tool in enumerate(req.tools or ()):
+        if isinstance(tool, (FunctionTool, CustomTool)):
+            tools.append(_chat_tool(tool, i, strict))
+        elif isinstance(tool, NamespaceTool):
+            namespaced = True
+            tools += [_flat_tool(tool.name, sub, i, j, strict) for j, sub in enumerate(tool.tools)]
+    if namespaced:
+        _check_flat_names(req.tools or ())
     if not tools:
         if req.tool_choice not in (None, "auto", "none"):
             raise BadRequest(
@@ -387,20 +399,9 @@ def _tools(req: ResponsesRequest, body: dict[str, Any], *, strict: bool) -> None
 
 def _chat_tool(tool: FunctionTool | CustomTool, index: int, strict: bool) -> dict[str, Any]:
     if tool.defer_loading:
-        raise BadRequest(
-            f"Responses {'function' if isinstance(tool, FunctionTool) else 'custom'} tools with "
-            "defer_loading enabled have no Chat Completions representation.",
-            param=f"tools[{index}].defer_loading",
-        )
+        _refuse_deferred(tool, f"tools[{index}]")
     if isinstance(tool, FunctionTool):
-        function: dict[str, Any] = {"name": tool.name}
-        if tool.description is not None:
-            function["description"] = tool.description
-        if tool.parameters != NULL:
-            function["parameters"] = tool.parameters
-        if tool.strict is not None and strict:
-            function["strict"] = tool.strict
-        return {"type": "function", "function": function}
+        return _function(tool, tool.name, strict)
     custom: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         custom["description"] = tool.description
@@ -410,6 +411,54 @@ def _chat_tool(tool: FunctionTool | CustomTool, index: int, strict: bool) -> dic
             fmt = {"type": "grammar", "grammar": {"syntax": fmt.get("syntax"), "definition": fmt.get("definition")}}
         custom["format"] = fmt
     return {"type": "custom", "custom": custom}
+
+
+def _flat_tool(namespace: str, tool: FunctionTool | CustomTool, index: int, sub: int, strict: bool) -> dict[str, Any]:
+    """A namespace tool's sub-tool as the function tool vLLM sees.
+
+    NeMo Gym drops a sub-tool that lacks `strict` or `parameters` (they fail the SDK's function-tool
+    schema once flattened); gymproxy keeps it, as it is a valid function tool.
+    """
+    if tool.defer_loading:
+        _refuse_deferred(tool, f"tools[{index}].tools[{sub}]")
+    return _function(tool, flat_name(namespace, tool.name), strict)
+
+
+def _function(tool: FunctionTool | CustomTool, name: str, strict: bool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    if isinstance(tool, FunctionTool):
+        if tool.parameters != NULL:
+            function["parameters"] = tool.parameters
+        if tool.strict is not None and strict:
+            function["strict"] = tool.strict
+    return {"type": "function", "function": function}
+
+
+def _refuse_deferred(tool: FunctionTool | CustomTool, where: str) -> NoReturn:
+    raise BadRequest(
+        f"Responses {'function' if isinstance(tool, FunctionTool) else 'custom'} tools with "
+        "defer_loading enabled have no Chat Completions representation.",
+        param=f"{where}.defer_loading",
+    )
+
+
+def _check_flat_names(tools: Sequence[Tool]) -> None:
+    """A flattened sub-tool may not take the name of another tool: its calls could not be told apart."""
+    seen = {tool.name for tool in tools if isinstance(tool, (FunctionTool, CustomTool))}
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, NamespaceTool):
+            continue
+        for j, sub in enumerate(tool.tools):
+            name = flat_name(tool.name, sub.name)
+            if name in seen:
+                raise BadRequest(
+                    f"the namespace tool '{tool.name}' has a tool '{sub.name}', which vLLM would see as "
+                    f"'{name}': another tool already has that name",
+                    param=f"tools[{i}].tools[{j}].name",
+                )
+            seen.add(name)
 
 
 def _chat_tool_choice(choice: ToolChoice) -> Any:

@@ -56,6 +56,7 @@ from ..schemas.responses import (
     SummaryText,
 )
 from .boundary import CLOSE, OPEN
+from .namespaces import NamespaceMap, namespace_map, shown
 from .reply import NO_PARSER, attach_tokens, echo, empty_completion, has_reasoning, to_response
 from .tokens import TokenInfo
 
@@ -157,6 +158,7 @@ class ResponsesStream:
         self.refusal_part = -1
         self.refusal_text: list[str] = []
         self.open_call: _Call | None = None
+        self.names: NamespaceMap | None = None  # the request's namespace tools, read at the first call
         # The delta frames of the open summary, text and refusal parts (made as each part opens).
         self.summary_frames: DeltaFrames
         self.text_frames: DeltaFrames
@@ -430,7 +432,12 @@ class ResponsesStream:
             self.calls[index] = call
             self.kind = "call"
             self.open_call = call
-            item = FunctionCallItem(arguments="", call_id=call.id, name=call.name, id=call.id, status="in_progress")
+            if self.names is None:
+                self.names = namespace_map(self.req.tools)
+            name, namespace = shown(call.name, self.names)
+            item = FunctionCallItem(
+                arguments="", call_id=call.id, name=name, id=call.id, status="in_progress", namespace=namespace
+            )
             self._emit(ItemEvent("response.output_item.added", 0, call.output_index, item))
         elif function.get("name") and not call.name:
             call.name = function["name"]
@@ -476,12 +483,13 @@ class ResponsesStream:
             call = self.open_call
             assert call is not None
             arguments = "".join(call.arguments)
+            name, namespace = shown(call.name, self.names or {})
             self._emit(
-                ArgumentsDone(
-                    "response.function_call_arguments.done", 0, call.id, call.output_index, call.name, arguments
-                )
+                ArgumentsDone("response.function_call_arguments.done", 0, call.id, call.output_index, name, arguments)
             )
-            call_item = FunctionCallItem(arguments=arguments, call_id=call.id, name=call.name, id=call.id)
+            call_item = FunctionCallItem(
+                arguments=arguments, call_id=call.id, name=name, id=call.id, namespace=namespace
+            )
             self._emit(ItemEvent("response.output_item.done", 0, call.output_index, call_item))
 
     # --- plumbing ----------------------------------------------------------------------

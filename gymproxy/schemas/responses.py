@@ -100,6 +100,14 @@ class CustomTool(Strict, tag_field="type", tag="custom", kw_only=True):
     async_: bool | UnsetType = msgspec.field(default=UNSET, name="async")
 
 
+class NamespaceTool(Strict, tag_field="type", tag="namespace", kw_only=True):
+    """Function and custom tools grouped under one name (Codex CLI); flattened for vLLM as `<name>__<tool>`."""
+
+    name: str
+    tools: list[FunctionTool | CustomTool]
+    description: str | None = None
+
+
 class HostedTool(msgspec.Struct):
     """A tool OpenAI runs itself (web search, MCP, a shell, ...): it has no chat form, so it is
     dropped. Its members are not read (so not checked)."""
@@ -142,7 +150,7 @@ HOSTED_TOOL_TYPES: Final = (
     "web_search_preview",
     "web_search_preview_2025_03_11",
 )
-TOOL_TYPES: Final = frozenset(("function", "custom", *HOSTED_TOOL_TYPES))
+TOOL_TYPES: Final = frozenset(("function", "custom", "namespace", *HOSTED_TOOL_TYPES))
 
 
 def _hosted(base: type[msgspec.Struct], prefix: str) -> tuple[type[msgspec.Struct], ...]:
@@ -157,9 +165,9 @@ _HOSTED_TOOLS: Final = _hosted(HostedTool, "HostedTool")
 _HOSTED_CHOICES: Final = _hosted(HostedChoice, "HostedChoice")
 
 if TYPE_CHECKING:
-    Tool = FunctionTool | CustomTool | HostedTool
+    Tool = FunctionTool | CustomTool | NamespaceTool | HostedTool
 else:
-    Tool = Union[(FunctionTool, CustomTool) + _HOSTED_TOOLS]  # noqa: UP007
+    Tool = Union[(FunctionTool, CustomTool, NamespaceTool) + _HOSTED_TOOLS]  # noqa: UP007
 
 
 class FunctionChoice(Strict, tag_field="type", tag="function"):
@@ -340,7 +348,7 @@ class FunctionCallItem(TokenFields, tag_field="type", tag="function_call", kw_on
     name: str
     id: str
     status: str = "completed"
-    namespace: None = None
+    namespace: str | None = None  # the namespace tool it belongs to (`name` is then the sub-tool's)
 
 
 class CustomToolCallItem(TokenFields, tag_field="type", tag="custom_tool_call", kw_only=True):
