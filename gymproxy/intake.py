@@ -1,5 +1,6 @@
 """What `POST /v1/responses` takes in: the body decoded into a `ResponsesRequest`, and what is
-dropped on the way, each kind said once in the log (per process, not per request).
+dropped on the way, each kind said once in the log (once per gymproxy instance, so once per
+process under `gymproxy serve`; never once per request).
 
 - Every field of the Responses API's request is understood (`schemas.responses.ResponsesRequest`);
   a top-level field outside that set is a 400 naming it (a typo is the client's mistake), or with
@@ -31,7 +32,7 @@ HINT: Final = "; vLLM sampling extras go in metadata.extra_body (a JSON string)"
 MAX_WARNED: Final = 256  # distinct names warned about; past it (a client sending junk), no more
 
 # msgspec's message for a tool whose `type` none of the tool Structs carries.
-_UNKNOWN_TOOL = re.compile(r"Invalid value '(?:[^']|'')*' - at `\$\.tools\[\d+\]\.type`$")
+_UNKNOWN_TOOL = re.compile(r"^Invalid value .* - at `\$\.tools\[\d+\]\.type`$")
 
 
 class RequestReader:
@@ -45,7 +46,7 @@ class RequestReader:
         """The request, or the 400 naming what is wrong with it."""
         try:
             req = REQUEST_DECODER.decode(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        except msgspec.DecodeError as exc:  # a ValidationError too
             req = self._decode_again(raw, exc)
         tools = req.tools
         if tools:
@@ -62,7 +63,10 @@ class RequestReader:
         unknown_tool = isinstance(exc, msgspec.ValidationError) and _UNKNOWN_TOOL.search(str(exc)) is not None
         if not (unknown_tool or (self.drop_unknown_fields and _unknown_field(error))):
             raise error from exc
-        body = orjson.loads(raw)  # it parsed as a JSON object already
+        try:
+            body = orjson.loads(raw)  # a JSON object (msgspec got as far as its members)
+        except orjson.JSONDecodeError:  # past orjson's limits (a 65-bit integer, deep nesting)
+            raise error from exc
         if self.drop_unknown_fields:
             for name in [name for name in body if name not in FIELDS]:
                 del body[name]
@@ -74,7 +78,7 @@ class RequestReader:
             body["tools"] = [tool for tool in tools if not self._unknown_tool(tool)]
         try:
             return REQUEST_DECODER.decode(orjson.dumps(body))
-        except (msgspec.ValidationError, msgspec.DecodeError) as again:
+        except msgspec.DecodeError as again:
             raise _bad_request(again) from again
 
     def _unknown_tool(self, tool: Any) -> bool:

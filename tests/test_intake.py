@@ -74,6 +74,12 @@ def test_a_tool_type_that_is_no_string_is_a_400(kind):
     assert refused({"input": "x", "tools": [{"type": kind}]}).param == "tools[0].type"
 
 
+def test_a_body_orjson_cannot_read_again_keeps_the_first_400():
+    # msgspec stops at the unknown tool type before the deep member that orjson refuses.
+    raw = b'{"input": "x", "tools": [{"type": "teleport"}], "moderation": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    assert refused(raw).param == "tools[0].type"
+
+
 def test_without_hosted_tools_the_list_is_left_as_decoded():
     req = read({"input": "x", "tools": [WEATHER]})
     assert [t.name for t in req.tools] == ["get_weather"]
