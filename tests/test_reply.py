@@ -485,6 +485,18 @@ def test_reasoning_echo_shape():
     assert got == {"context": None, "effort": "low", "generate_summary": None, "summary": None}
 
 
+def test_reasoning_echo_of_codex_members():
+    # Accepted and not sent to vLLM; echoed as sent (`mode`, newer than NeMo Gym's key set, only when sent).
+    got = respond(req=decode_request(reasoning={"effort": "medium", "summary": "auto", "mode": "standard"}))
+    assert got["reasoning"] == {
+        "context": None,
+        "effort": "medium",
+        "generate_summary": None,
+        "summary": "auto",
+        "mode": "standard",
+    }
+
+
 @pytest.mark.parametrize(
     ("text", "echoed"),
     [

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import orjson
+from msgspec import UNSET
 
 from ..errors import UpstreamError
 from ..ids import hex32, new_id
@@ -272,7 +273,11 @@ def echo(req: ResponsesRequest) -> dict[str, Any]:
     if req.reasoning is not None:
         r = req.reasoning
         fields["reasoning"] = ReasoningEcho(
-            context=r.context, effort=r.effort, generate_summary=r.generate_summary, summary=r.summary
+            context=r.context,
+            effort=r.effort,
+            generate_summary=r.generate_summary,
+            summary=r.summary,
+            mode=r.mode if r.mode is not None else UNSET,
         )
     if req.text is not None:
         fields["text"] = TextEcho(format=req.text.format, verbosity=req.text.verbosity)
