@@ -21,6 +21,7 @@ import yaml
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+HeaderName = Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")]
 ReasoningField = Literal["both", "reasoning", "reasoning_content"]
 
 REASONING_FIELD_ENV = "NEMO_GYM_REASONING_FIELD"
@@ -62,7 +63,12 @@ class Pinning(Settings, frozen=True, kw_only=True):
     secret: str | None = None
     secret_env: str = "GYMPROXY_PIN_SECRET"
     max_age: Seconds = 14 * 24 * 3600.0
-    session_header: str = "X-Session-ID"  # for clients without a cookie jar
+    # Headers that key a session for clients without a cookie jar; the first one present wins. Codex
+    # CLI sends `session-id`, Claude Code `X-Claude-Code-Session-Id`. The older single-header key
+    # `session_header: NAME` is still read, as `session_headers: [NAME]`.
+    session_headers: list[HeaderName] = msgspec.field(
+        default_factory=lambda: ["X-Session-ID", "session-id", "X-Claude-Code-Session-Id"]
+    )
     use_user_field: bool = True  # the request body's `user` field also keys a session
     placement: Literal["least_outstanding", "round_robin"] = "least_outstanding"
 
@@ -221,6 +227,7 @@ def load_config(
 def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Config:
     """Validate one flat mapping of config keys."""
     section = dict(section)
+    _read_old_session_header(section)
     if isinstance(section.get("base_url"), str):
         section["base_url"] = [section["base_url"]]
     if section.get("reasoning_field") is None:
@@ -252,6 +259,21 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
         pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
         config = msgspec.structs.replace(config, pinning=pinning)
     return config
+
+
+def _read_old_session_header(section: dict[str, Any]) -> None:
+    """`pinning.session_header: NAME` (one header, before harnesses sent their own) means `session_headers: [NAME]`."""
+    pinning = section.get("pinning")
+    if not isinstance(pinning, dict) or "session_header" not in pinning:
+        return
+    pinning = dict(pinning)
+    old = pinning.pop("session_header")
+    if "session_headers" in pinning:
+        raise ConfigError(
+            "config: pinning: give `session_headers` (a list) or the older `session_header` (one name), not both"
+        )
+    pinning["session_headers"] = [old] if isinstance(old, str) else old
+    section["pinning"] = pinning
 
 
 def _check(config: Config) -> None:

@@ -4,9 +4,11 @@ The cookie is the whole state. Its value names the upstream, when it was issued,
 HMAC-SHA256 over both under a shared secret, so any worker process, any replica with the same
 secret, or a restarted gymproxy routes it the same way, and no session table grows in memory.
 A cookie that is forged, stale, malformed or names an upstream no longer configured is ignored
-and the session is pinned afresh. Clients without a cookie jar can send a session header or the
-body's `user` field instead: those keys map to an upstream by rendezvous hashing, so adding or
-removing one upstream moves only its own share of sessions.
+and the session is pinned afresh. Clients without a cookie jar (agent harnesses such as Codex CLI
+and Claude Code never return one) key their session instead: with a session header
+(`pinning.session_headers`), Responses' `prompt_cache_key`, or the body's `user`, in that order.
+Those keys map to an upstream by rendezvous hashing, so adding or removing one upstream moves only
+its own share of sessions.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import asyncio
 import hmac
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -47,7 +47,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> 
     keys = [key.encode() for key in proxy.config.access.api_keys] if not open_route else []
     refused = "a valid `Authorization: Bearer <key>` header is required"
     pinning = proxy.config.pinning
-    cookie_name, session_header = pinning.cookie_name, pinning.session_header
+    cookie_name, session_headers = pinning.cookie_name, tuple(pinning.session_headers)
     clock = time.monotonic
 
     # One coroutine around the route: every await of a request passes through each layer.
@@ -57,7 +57,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> 
         caller = Caller(
             _request_id(headers.get("X-Request-Id")),
             read_cookie(headers.get("Cookie"), cookie_name),
-            headers.get(session_header) or None,
+            _session_key(headers, session_headers),
             path,
             start,
             pinning,
@@ -85,6 +85,7 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
     req = proxy.requests.decode(await read_body(request, config))
+    _add_key(caller, req.prompt_cache_key)
     _add_user(caller, req.user, config)
     stream = req.stream is True
     answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser)
@@ -127,6 +128,7 @@ async def responses_native(proxy: Proxy, request: web.Request, caller: Caller) -
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be a JSON boolean", param="stream")
+    _add_key(caller, body.get("prompt_cache_key"))
     _add_user(caller, body.get("user"), config)
     if config.model is not None:
         body["model"] = config.model
@@ -167,6 +169,21 @@ async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.Str
     """`GET /metrics` in the Prometheus text format."""
     text = proxy.metrics.render(proxy.fleet.gauges())
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+def _session_key(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    """The first session header present (`pinning.session_headers`), for clients without cookies."""
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
+
+
+def _add_key(caller: Caller, key: Any) -> None:
+    """A body field that names the session (Responses' `prompt_cache_key`), below any session header."""
+    if caller.key is None and isinstance(key, str) and key:
+        caller.key = key
 
 
 def _add_user(caller: Caller, user: Any, config: Config) -> None:

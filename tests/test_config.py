@@ -214,3 +214,16 @@ def test_the_reference_config_lists_every_option_with_its_default():
                 assert have[key] == value or (key == "reasoning_field" and have[key] is None), (where + key, have[key])
 
     walk(listed, defaults, "")
+
+
+def test_session_headers_and_the_older_single_header_key() -> None:
+    default = build_config({"base_url": "http://x/v1"}, environ={})
+    assert default.pinning.session_headers == ["X-Session-ID", "session-id", "X-Claude-Code-Session-Id"]
+    old = build_config({"base_url": "http://x/v1", "pinning": {"session_header": "X-Rollout"}}, environ={})
+    assert old.pinning.session_headers == ["X-Rollout"]
+    new = build_config({"base_url": "http://x/v1", "pinning": {"session_headers": ["A", "B"]}}, environ={})
+    assert new.pinning.session_headers == ["A", "B"]
+    with pytest.raises(ConfigError, match="not both"):
+        build_config({"base_url": "http://x/v1", "pinning": {"session_header": "A", "session_headers": ["B"]}})
+    with pytest.raises(ConfigError, match=r"session_headers\[0\]"):
+        build_config({"base_url": "http://x/v1", "pinning": {"session_headers": ["no spaces"]}}, environ={})

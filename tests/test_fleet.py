@@ -359,3 +359,110 @@ async def test_two_workers_pin_the_same_cookie_the_same_way(fleet):
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
     assert process.returncode == 0, stderr.decode()
+
+
+# --- session keys that real harnesses send ------------------------------------------------------
+
+CODEX, CLAUDE = "session-id", "X-Claude-Code-Session-Id"
+
+
+def _keyed(kind: str, key: str) -> tuple[str, dict, dict]:
+    """(path, body, headers) of one request of a cookie-less client keyed by `kind`."""
+    responses = {"model": "m", "input": "x"}
+    if kind == "prompt_cache_key":
+        return "/v1/responses", {**responses, "prompt_cache_key": key}, {}
+    if kind == "user":
+        return "/v1/responses", {**responses, "user": key}, {}
+    if kind == "metadata.user_id":
+        return "/v1/messages", _message_body(metadata={"user_id": key}), {}
+    if kind == CLAUDE:
+        return "/v1/messages", _message_body(), {kind: key}
+    if kind == CODEX:
+        return "/v1/responses", responses, {kind: key}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, {kind: key}
+
+
+def _message_body(**extra) -> dict:
+    return {"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": "x"}], **extra}
+
+
+def _served(fakes: list[FakeVLLM]) -> list[int]:
+    paths = ("/v1/chat/completions", "/v1/messages")
+    return [sum(1 for r in fake.requests if r.path in paths) for fake in fakes]
+
+
+def _landing(key: str) -> str:
+    """Which of the upstreams named a and b the rendezvous hash gives `key` (both healthy)."""
+    from gymproxy.pinning import Pinner
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name, self.url, self.weight, self.healthy, self.inflight = name, name, 1.0, True, 0
+
+    pinner = Pinner([Named("a"), Named("b")], Signer(b"s", 3600), placement="least_outstanding")
+    return pinner.pick(None, key).upstream.name
+
+
+async def _two_named(aiohttp_server, fleet, **config) -> tuple[list[FakeVLLM], str]:
+    fakes = fleet[0][:2]
+    upstreams = [{"name": name, "url": fake.url} for name, fake in zip("ab", fakes, strict=True)]
+    return fakes, await start(aiohttp_server, [], upstreams=upstreams, **config)
+
+
+async def _send(session: aiohttp.ClientSession, url: str, path: str, body: dict, headers: dict) -> None:
+    async with session.post(url + path, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        assert pin_of(r) is not None  # a cookie is offered, and the client never returns it
+
+
+@pytest.mark.parametrize("kind", ["X-Session-ID", CODEX, "prompt_cache_key", "user"])
+async def test_a_keyed_client_without_cookies_stays_on_one_upstream(aiohttp_server, fleet, kind):
+    fakes, url = await _two_named(aiohttp_server, fleet)
+    keys = [f"{kind}-session-{i}" for i in range(8)]
+    assert {_landing(key) for key in keys} == {"a", "b"}  # the sessions spread over both
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for key in keys:
+            before = _served(fakes)
+            for _ in range(3):
+                await _send(session, url, *_keyed(kind, key))
+            moved = [after - b for after, b in zip(_served(fakes), before, strict=True)]
+            assert moved == ([3, 0] if _landing(key) == "a" else [0, 3]), (key, moved)
+
+
+async def test_the_older_session_header_key_still_keys_sessions(aiohttp_server, fleet):
+    fakes, url = await _two_named(aiohttp_server, fleet, pinning={"secret": SECRET, "session_header": "X-Rollout"})
+    key = next(f"rollout-{i}" for i in range(100) if _landing(f"rollout-{i}") == "b")
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for _ in range(3):
+            await _send(session, url, *_keyed("X-Rollout", key))
+        assert _served(fakes) == [0, 3]
+        # It names the one header: the default list is not read as well.
+        codex = next(f"codex-{i}" for i in range(100) if _landing(f"codex-{i}") == "a")
+        for _ in range(4):
+            await _send(session, url, *_keyed(CODEX, codex))
+        assert _served(fakes)[1] < 7, "session-id was read although session_header replaced the list"
+
+
+async def test_session_key_precedence(aiohttp_server, fleet):
+    """A valid cookie, then a session header, then prompt_cache_key, then user."""
+    fakes, url = await _two_named(aiohttp_server, fleet)
+    on_a = [f"k-{i}" for i in range(100) if _landing(f"k-{i}") == "a"][:3]
+    on_b = [f"k-{i}" for i in range(100) if _landing(f"k-{i}") == "b"][:3]
+    cases = [  # (headers, body fields, cookie's upstream) -> the upstream that must serve
+        ({CODEX: on_a[0]}, {"prompt_cache_key": on_b[0], "user": on_b[1]}, None, "a"),
+        ({}, {"prompt_cache_key": on_a[1], "user": on_b[2]}, None, "a"),
+        ({"X-Session-ID": on_b[0], CODEX: on_a[2]}, {}, None, "b"),  # the list's order
+        ({CODEX: on_a[0]}, {"prompt_cache_key": on_a[1]}, "b", "b"),
+    ]
+    signer = Signer(SECRET.encode(), 3600)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for headers, fields, pinned, expected in cases:
+            if pinned is not None:
+                headers = {**headers, "Cookie": f"{COOKIE}={signer.sign(pinned)}"}
+            before = _served(fakes)
+            async with session.post(
+                url + "/v1/responses", json={"model": "m", "input": "x", **fields}, headers=headers
+            ) as r:
+                assert r.status == 200
+            moved = [after - b for after, b in zip(_served(fakes), before, strict=True)]
+            assert moved == ([1, 0] if expected == "a" else [0, 1]), (headers, fields)
