@@ -21,6 +21,7 @@ log = logging.getLogger("gymproxy")
 
 PROXIES: Final = web.AppKey("gymproxy.proxies", list[Proxy])
 ROLLOUT_SCOPES = ("/ng-rollout/{rollout_id}", "/ng-rollout/{rollout_id}/training-token-capture")
+PROBES = ("/healthz", "/livez", "/readyz")  # and `/`: liveness, as NeMo Gym's servers answer them
 
 
 def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
@@ -29,6 +30,10 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
     With `access.admin_port` set, /health and /metrics are left out: serve `admin_app(proxy)`
     on that port (`gymproxy serve` does). When the app shuts down, requests still in flight get
     `shutdown_grace_s` to finish, then are ended (streams with their terminal event).
+
+    The liveness probes /healthz, /livez and /readyz are added under `prefix` unless the app already
+    routes that path; `GET {prefix}/` too, but only with a prefix: the root of a host app is the
+    host's (`create_app` owns its app, so it answers `/` as well).
     """
     if prefix and (not prefix.startswith("/") or prefix.endswith("/")):
         raise ValueError(f"gymproxy.setup: prefix {prefix!r} must start with '/' and not end with one")
@@ -73,6 +78,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
             table.append(web.route(method, prefix + scope + path, bound))
     if config.access.admin_port is None:
         table += _admin_routes(proxy, prefix)
+    table += _probes(proxy, prefix, app, ("/", *PROBES) if prefix else PROBES)
     app.router.add_routes(table)
     return proxy
 
@@ -80,7 +86,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
 def admin_app(proxy: Proxy) -> web.Application:
     """/health and /metrics alone, for `access.admin_port`."""
     app = web.Application()
-    app.router.add_routes(_admin_routes(proxy, ""))
+    app.router.add_routes(_admin_routes(proxy, "") + _probes(proxy, "", app, ("/", *PROBES)))
     return app
 
 
@@ -92,11 +98,26 @@ def _admin_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
     ]
 
 
+def _probes(proxy: Proxy, prefix: str, app: web.Application, paths: tuple[str, ...]) -> list[web.RouteDef]:
+    """Liveness routes, open like /health; a path `app` already routes is left to its owner."""
+    live = {path: routes.bind(proxy, routes.live, path, open_route=True) for path in paths}
+    return [web.get(prefix + path, handler) for path, handler in live.items() if not _routed(app, prefix + path)]
+
+
+def _routed(app: web.Application, path: str) -> bool:
+    """Whether `app` already answers GET `path` (gymproxy's route would never be reached)."""
+    for resource in app.router.resources():
+        if resource.canonical == path and any(route.method in ("GET", "*") for route in resource):
+            return True
+    return False
+
+
 def create_app(config: Config) -> web.Application:
     """A standalone app; it can also be mounted with `host.add_subapp("/llm", create_app(config))`."""
     limit = config.limits.max_header_size
     app = web.Application(
         client_max_size=config.max_body_size, handler_args={"max_field_size": limit, "max_line_size": limit}
     )
-    setup(app, config)
+    proxy = setup(app, config)
+    app.router.add_routes(_probes(proxy, "", app, ("/",)))  # this app is gymproxy's own: so is its root
     return app

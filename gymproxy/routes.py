@@ -7,6 +7,7 @@ with use_completions_api    both plan a CompletionsBackend instead of the ChatBa
 with is_responses_native    /v1/responses is relayed to the upstream's own, with the config applied
 GET  /v1/models, POST /v1/completions, POST /tokenize   relayed as they are
 GET  /health, /metrics      the fleet's state
+GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
 `bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
 rendered, the response stamped (request id, new pin) and counted.
@@ -38,6 +39,7 @@ from .schemas.chat import ChatRequestView
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
 TOO_DEEP = "the request body is nested too deeply"
+LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
@@ -163,6 +165,12 @@ async def health(proxy: Proxy, request: web.Request, caller: Caller) -> web.Stre
     ok = any(state["healthy"] for state in states)
     body = {"status": "ok" if ok else "unavailable", "upstreams": states}
     return web.Response(body=ENCODER.encode(body), status=200 if ok else 503, content_type=JSON)
+
+
+async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /`, `/healthz`, `/livez`, `/readyz`: the process is up and serving. No upstream is asked
+    (that is `/health`), so a probe costs nothing and a fleet outage does not restart gymproxy."""
+    return web.Response(body=LIVE, content_type=JSON)
 
 
 async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
