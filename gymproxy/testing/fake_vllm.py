@@ -7,6 +7,22 @@ from the request: `"echo: <last user text>"`, or a call to the first function to
 offered. Directives in the last user text force a case: `[[overflow]]` (the context-length 400),
 `[[reason]]` (adds reasoning) and `[[error:<status>]]` (that status, in vLLM's error envelope).
 
+It also speaks vLLM's Anthropic Messages endpoint (`vllm/entrypoints/anthropic`): `POST /v1/messages`
+and `/v1/messages/count_tokens`. A Messages request is first made into the chat request vLLM makes
+of it (`chat_from_messages`: `system`, as a string or text blocks, and `role: "system"` messages
+become one system message; tools become function tools; `tool_use` blocks tool calls; `tool_result`
+blocks tool messages), so scripts, replies from the request and directives work as for chat. A
+user message's tool results go after its own text (vLLM puts them before): a turn that answers a
+tool call, with or without text beside the results, counts as a tool result, and the reply to it is
+text. The answer is vLLM's: a `message` object (thinking, text and `tool_use` blocks, `stop_reason`,
+usage), or the events `message_start`, `content_block_start` / `_delta` (`thinking_delta` and its
+`signature_delta`, `text_delta`, `input_json_delta`) / `_stop`, `message_delta` (stop reason and
+usage) and `message_stop`, each framed `event: <type>` + `data: <json>`; errors from generation come
+in the Anthropic envelope `{"type": "error", "error": {"type", "message"}}` with vLLM's type names
+(`BadRequestError`, ...), a mid-stream failure as an `error` event; a body that fails validation gets
+vLLM's OpenAI-style 400, as FastAPI's handler answers it. `count_tokens` answers `{"input_tokens": N}`
+(and `context_management`) with N the chat prompt's token count.
+
 The tokenizer is crude but deterministic: one token per word, counting the whitespace before it,
 with id = crc32(piece) mod 50000. Every id the fake reports (prompt ids, `/tokenize`, generated ids
 and logprob tokens) comes from that one function, so they all agree.
@@ -39,9 +55,12 @@ VLLM_STREAM_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Contro
 DONE: Final = b"data: [DONE]\n\n"
 VOCAB_SIZE: Final = 50_000
 POLL_SECONDS: Final = 0.02
-GENERATION_PATHS: Final = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 FAILURE_MODES: Final = ("reset", "truncate", "bad_json", "error")
 COMPLETIONS_MAX_TOKENS: Final = 16  # vLLM's default for /v1/completions; chat has none
+MID_STREAM_ERROR: Final = "fake vLLM: injected mid-stream error"
+ANTHROPIC_STOP: Final = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+BILLING_HEADER: Final = "x-anthropic-billing-header"  # Claude Code's per-request system block; vLLM drops it
 
 _PIECE: Final = re.compile(r"\s*\S+(?:\s+\Z)?|\s+")  # trailing whitespace joins the last word
 _ERROR_DIRECTIVE: Final = re.compile(r"\[\[error:(\d{3})\]\]")
@@ -87,6 +106,8 @@ class Rejection(Exception):
     def __init__(self, status: int, message: str, *, kind: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.message = message
+        self.kind = kind or _error_kind(status)
         self.body = error_body(status, message, kind=kind, param=param)
 
     def response(self) -> web.Response:
@@ -95,10 +116,13 @@ class Rejection(Exception):
 
 def error_body(status: int, message: str, *, kind: str | None = None, param: str | None = None) -> bytes:
     """vLLM's nested error envelope (>= 0.10.1)."""
-    if kind is None:
-        named = {404: "NotFoundError", 501: "NotImplementedError"}
-        kind = named.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    kind = kind or _error_kind(status)
     return orjson.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def _error_kind(status: int) -> str:
+    named = {404: "NotFoundError", 501: "NotImplementedError"}
+    return named.get(status, "BadRequestError" if status < 500 else "InternalServerError")
 
 
 def pieces(text: str) -> list[str]:
@@ -310,6 +334,208 @@ def _text_frames(t: _Turn) -> Frames:
     return _frames(t, "text_completion", [], choices[:-1], choices[-1], usage=None)
 
 
+# --- vLLM's Anthropic Messages endpoint ------------------------------------------------------------
+
+
+def chat_from_messages(body: Json) -> Json:
+    """The chat request vLLM's Anthropic endpoint makes of a Messages request (its reply rules apply
+    to it), except that a user message's tool results follow its text (see the module docstring)."""
+    system = [_system_text(body.get("system"))]
+    messages: list[Json] = []
+    for message in body["messages"]:
+        role, content = message["role"], message["content"]
+        if role == "system":
+            system.append(_system_text(content))
+        elif isinstance(content, str):
+            messages.append({"role": role, "content": content})
+        else:
+            messages += _chat_turn(role, content)
+    text = "\n\n".join(part for part in system if part)
+    chat: Json = {
+        "model": body["model"],
+        "messages": ([{"role": "system", "content": text}] if text else []) + messages,
+    }
+    if "max_tokens" in body:
+        chat["max_tokens"] = body["max_tokens"]
+    if body.get("stream"):
+        chat["stream"] = True
+    tools = [
+        {"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                          "parameters": t.get("input_schema") or {"type": "object"},
+                                          "defer_loading": t.get("defer_loading")}}
+        for t in body.get("tools") or []
+    ]  # fmt: skip
+    choice = body.get("tool_choice") or {}
+    if choice.get("type") == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice.get("type") in ("auto", "any", "none"):
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice["type"]]
+    if tools:
+        chat["tools"] = tools
+        chat.setdefault("tool_choice", "auto")
+    return chat
+
+
+def _system_text(system: Any) -> str:
+    if isinstance(system, str):
+        return "" if system.startswith(BILLING_HEADER) else system
+    blocks = system if isinstance(system, list) else []
+    return "".join(
+        b["text"]
+        for b in blocks
+        if b.get("type") == "text" and b.get("text") and not b["text"].startswith(BILLING_HEADER)
+    )
+
+
+def _chat_turn(role: str, blocks: list[Json]) -> list[Json]:
+    """One Messages turn made of content blocks, as chat messages: the turn, then its tool results."""
+    parts: list[Json] = []
+    calls: list[Json] = []
+    thinking: list[str] = []
+    results: list[Json] = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text" and block.get("text"):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and isinstance(block.get("source"), dict):
+            source = block["source"]
+            url = source.get("url") or f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "thinking" and block.get("thinking") is not None:
+            thinking.append(block["thinking"])
+        elif kind == "tool_use":
+            arguments = orjson.dumps(block.get("input") or {}).decode()
+            function = {"name": block.get("name") or "", "arguments": arguments}
+            calls.append(
+                {"id": block.get("id") or f"call_{int(time.time())}", "type": "function", "function": function}
+            )
+        elif kind == "tool_result" and role == "user":
+            content = block.get("content")
+            text = content if isinstance(content, str) else _text(content if isinstance(content, list) else None)
+            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text})
+        elif kind == "tool_result":
+            parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
+    turn: Json = {"role": role}
+    if thinking:
+        turn["reasoning"] = "".join(thinking)
+    if calls:
+        turn["tool_calls"] = calls
+    if parts:
+        turn["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+    keep = "content" in turn if role == "user" else bool(parts or calls or thinking)
+    return ([turn] if keep else []) + results
+
+
+def _check_messages(body: Json, *, count: bool) -> None:
+    """What vLLM's pydantic model refuses (FastAPI answers it with vLLM's OpenAI-style 400)."""
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise Rejection(400, "model: Field required", kind="Bad Request", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise Rejection(400, "messages: Field required", kind="Bad Request", param="messages")
+    for i, message in enumerate(messages):
+        ok = isinstance(message, dict) and message.get("role") in ("user", "assistant", "system")
+        content = message.get("content") if ok else None
+        if not (isinstance(content, str) or (isinstance(content, list) and all(isinstance(b, dict) for b in content))):
+            raise Rejection(400, f"messages.{i}: Input should be a valid message", kind="Bad Request")
+    max_tokens = body.get("max_tokens")
+    if not count and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0):
+        raise Rejection(400, "max_tokens: Field required (a positive integer)", kind="Bad Request", param="max_tokens")
+
+
+def anthropic_error(status: int, message: str, kind: str | None = None) -> bytes:
+    """vLLM's Anthropic error envelope (`translate_error_response`): its own error type names."""
+    return orjson.dumps({"type": "error", "error": {"type": kind or _error_kind(status), "message": message}})
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps({"type": kind, **fields}))
+
+
+def _anthropic_usage(t: _Turn) -> Json:
+    usage = t.usage(stream=True)
+    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
+
+
+def _message_body(t: _Turn) -> Json:
+    s = t.script
+    content: list[Json] = []
+    if s.reasoning:
+        content.append({"type": "thinking", "thinking": s.reasoning, "signature": uuid.uuid4().hex})
+    if s.content:
+        content.append({"type": "text", "text": s.content})
+    for call in s.tool_calls or []:
+        content.append(
+            {"type": "tool_use", "id": call["id"], "name": call["name"], "input": orjson.loads(call["arguments"])}
+        )
+    message: Json = dict(id=t.id, type="message", role="assistant", content=content, model=t.model)
+    if (stop := ANTHROPIC_STOP.get(s.finish_reason or "")) is not None:
+        message["stop_reason"] = stop  # vLLM dumps with exclude_none: an unmapped reason is absent
+    message["usage"] = _anthropic_usage(t)
+    return message
+
+
+def _message_frames(t: _Turn) -> Frames:
+    """The turn as vLLM's Anthropic event stream: one frame (of one or more events) per chat chunk."""
+    start: Json = dict(id=t.id, content=[], model=t.model, stop_reason=None, stop_sequence=None)
+    usage = {"input_tokens": _anthropic_usage(t)["input_tokens"], "output_tokens": 0}
+    head = [_event("message_start", message={**start, "usage": usage})]
+    body: list[bytes] = []
+    index = -1
+    active: str | None = None  # "thinking", "text" or a tool call's id
+
+    def stop() -> list[bytes]:
+        nonlocal active
+        if active is None:
+            return []
+        events = []
+        if active == "thinking":
+            events.append(
+                _event(
+                    "content_block_delta", delta={"type": "signature_delta", "signature": uuid.uuid4().hex}, index=index
+                )
+            )
+        events.append(_event("content_block_stop", index=index))
+        active = None
+        return events
+
+    def begin(kind: str, block: Json) -> list[bytes]:
+        nonlocal active, index
+        events = stop()
+        index += 1
+        active = kind
+        return [*events, _event("content_block_start", content_block=block, index=index)]
+
+    for step in t.steps:
+        delta, events = step.delta, []
+        if "tool_calls" in delta:
+            call = delta["tool_calls"][0]
+            if "id" in call:
+                events += begin(
+                    call["id"], {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
+                )
+            if call["function"].get("arguments"):
+                json_delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
+                events.append(_event("content_block_delta", delta=json_delta, index=index))
+        elif "content" in delta:
+            if active != "text":
+                events += begin("text", {"type": "text", "text": ""})
+            events.append(
+                _event("content_block_delta", delta={"type": "text_delta", "text": delta["content"]}, index=index)
+            )
+        else:  # reasoning, under either of its keys
+            (thought,) = delta.values()
+            if active != "thinking":
+                events += begin("thinking", {"type": "thinking", "thinking": ""})
+            events.append(
+                _event("content_block_delta", delta={"type": "thinking_delta", "thinking": thought}, index=index)
+            )
+        body.append(b"".join(events))
+    end = {"stop_reason": ANTHROPIC_STOP.get(t.script.finish_reason or "stop")}
+    tail = [b"".join([*stop(), _event("message_delta", delta=end, usage=_anthropic_usage(t))]), _event("message_stop")]
+    return head, body, tail
+
+
 def _gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
@@ -338,6 +564,8 @@ class FakeVLLM:
         self.app.router.add_post("/v1/chat/completions", functools.partial(self._generate, chat=True))
         self.app.router.add_post("/v1/completions", functools.partial(self._generate, chat=False))
         self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_post("/v1/messages", self._messages)
+        self.app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
 
@@ -492,15 +720,21 @@ class FakeVLLM:
             include_usage=isinstance(options, dict) and bool(options.get("include_usage", True)),
         )
 
-    async def _stream(self, request: web.Request, frames: Frames, script: Script) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, frames: Frames, script: Script, failures: dict[str, list[bytes]] | None = None
+    ) -> web.StreamResponse:
+        """Write the frames, failing midway as `script.fail_mid_stream` says (`failures`: the tails that
+        end a stream broken by `bad_json` and by `error`, when not chat's and text completion's)."""
         head, body, tail = frames
         mode = script.fail_mid_stream
         if mode is not None:
             if mode not in FAILURE_MODES:
                 raise ValueError(f"fail_mid_stream must be one of {FAILURE_MODES}, not {mode!r}")
             body = body[: len(body) // 2]
-            error = error_body(500, script.error_message or "fake vLLM: injected mid-stream error")
-            tail = {"bad_json": [b"data: {not json\n\n", DONE], "error": [b"data: %s\n\n" % error, DONE]}.get(mode, [])
+            if failures is None:
+                error = error_body(500, script.error_message or MID_STREAM_ERROR)
+                failures = {"bad_json": [b"data: {not json\n\n", DONE], "error": [b"data: %s\n\n" % error, DONE]}
+            tail = failures.get(mode, [])
         resp = web.StreamResponse(headers=VLLM_STREAM_HEADERS)
         if mode == "truncate":
             resp.force_close()
@@ -533,6 +767,68 @@ class FakeVLLM:
         token_strs = toks if body.get("return_token_strs") else None
         reply = dict(count=len(toks), max_model_len=self.max_model_len, tokens=[token_id(t) for t in toks])
         return _json_response(orjson.dumps(dict(reply, token_strs=token_strs)))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """`POST /v1/messages`: the chat machinery (scripts, replies from the request, directives), answered
+        as vLLM's Anthropic endpoint answers."""
+        try:
+            try:
+                body = await self._record(request)
+                _check_messages(body, count=False)
+            except Rejection as exc:
+                return exc.response()
+            try:
+                chat = chat_from_messages(body)
+                if not body["messages"]:
+                    raise Rejection(400, "messages must contain at least one item")
+                prompt_ids, text = self._prompt(chat, chat=True)
+                script = self._scripts.popleft() if self._scripts else self._default(chat, text, len(prompt_ids))
+                return await self._message_reply(request, chat, script, prompt_ids, text)
+            except Rejection as exc:  # refused by the engine: vLLM translates it to the Anthropic envelope
+                return _json_response(anthropic_error(exc.status, exc.message, exc.kind), status=exc.status)
+        except asyncio.CancelledError:
+            self._lost()
+            raise
+
+    async def _message_reply(
+        self, request: web.Request, chat: Json, script: Script, prompt_ids: list[int], text: str
+    ) -> web.StreamResponse:
+        if script.hang:
+            await self._idle(request, None)
+            return web.Response()
+        if script.status != 200:
+            message = script.error_message or f"fake vLLM: scripted error {script.status}"
+            return _json_response(script.error_body or anthropic_error(script.status, message), status=script.status)
+        turn = self._turn(chat, script, prompt_ids, text, self._budget(chat, len(prompt_ids), None), chat=True)
+        if chat.get("stream"):
+            error = _event(
+                "error", error={"type": "internal_error", "message": script.error_message or MID_STREAM_ERROR}
+            )
+            failures = {"bad_json": [b"event: content_block_delta\ndata: {not json\n\n"], "error": [error]}
+            return await self._stream(request, _message_frames(turn), turn.script, failures)
+        if script.chunk_delay and not await self._idle(request, script.chunk_delay * len(turn.steps)):
+            return web.Response()
+        try:
+            reply = _message_body(turn)
+        except orjson.JSONDecodeError as exc:  # vLLM json.loads the tool call arguments, and fails so
+            return _json_response(anthropic_error(500, str(exc), "internal_error"), status=500)
+        return _json_response(orjson.dumps(reply))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """`POST /v1/messages/count_tokens`: the prompt's token count, as the chat request would have it."""
+        try:
+            body = await self._record(request)
+            _check_messages(body, count=True)
+        except Rejection as exc:
+            return exc.response()
+        try:
+            if not body["messages"]:
+                raise Rejection(400, "messages must contain at least one item")
+            prompt_ids, _ = self._prompt(chat_from_messages(body), chat=True)
+        except Rejection as exc:
+            return _json_response(anthropic_error(exc.status, exc.message, exc.kind), status=exc.status)
+        n = len(prompt_ids)
+        return _json_response(orjson.dumps({"input_tokens": n, "context_management": {"original_input_tokens": n}}))
 
     async def _models(self, request: web.Request) -> web.Response:
         await self._record(request)
