@@ -172,6 +172,9 @@ class Config(Settings, frozen=True, kw_only=True):
     limits: Limits = Limits()
     # On SIGTERM: stop accepting, let in-flight requests and streams finish for this long.
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # Serve Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`, `/api/hello`) by
+    # relaying it to the session's upstream, vLLM's own Anthropic endpoint.
+    anthropic_messages: bool = True
 
 
 # Options NeMo Gym has that gymproxy does not implement: refused at startup, never ignored silently.

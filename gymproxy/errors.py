@@ -1,4 +1,5 @@
-"""gymproxy's errors, each rendered as an OpenAI error body `{"error": {message, type, param, code}}`.
+"""gymproxy's errors, each rendered as an OpenAI error body `{"error": {message, type, param, code}}`
+(or in another API's envelope, when its route says so: `render(..., envelope)`).
 
 GymproxyError                   500 server_error
 ├── AnswerLocally               (no error: the exchange answers with an empty reply, its finish reason)
@@ -30,6 +31,7 @@ from aiohttp import web
 log = logging.getLogger("gymproxy")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Envelope = Callable[["GymproxyError"], bytes]  # an error as the body of another API's error response
 
 
 class GymproxyError(Exception):
@@ -184,23 +186,25 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def render(exc: Exception, request: web.Request) -> web.Response:
-    """Any error a handler raised, as an OpenAI error response; aiohttp's own HTTP exceptions go on."""
+def render(exc: Exception, request: web.Request, envelope: Envelope | None = None) -> web.Response:
+    """Any error a handler raised, as an error response (OpenAI's body, or `envelope`'s); aiohttp's own
+    HTTP exceptions go on."""
     if isinstance(exc, GymproxyError):
-        response = error_response(exc)
+        response = error_response(exc, envelope)
         if isinstance(exc, BodyTimeout):
             response.force_close()  # the rest of the body may still come: the connection is done
         return response
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return error_response(PayloadTooLarge(exc.text or "request body too large", param=None))
+        return error_response(PayloadTooLarge(exc.text or "request body too large", param=None), envelope)
     if isinstance(exc, web.HTTPException):
         raise exc
     if isinstance(exc, RecursionError):  # only client JSON nests deep enough to exhaust the stack
-        return error_response(BadRequest("the request body is nested too deeply"))
+        return error_response(BadRequest("the request body is nested too deeply"), envelope)
     # A bug in gymproxy: log it whole, tell the client only that it happened.
     log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
-    return error_response(GymproxyError("internal error in gymproxy (see its log)"))
+    return error_response(GymproxyError("internal error in gymproxy (see its log)"), envelope)
 
 
-def error_response(exc: GymproxyError) -> web.Response:
-    return web.Response(body=exc.body(), status=exc.status, content_type="application/json")
+def error_response(exc: GymproxyError, envelope: Envelope | None = None) -> web.Response:
+    body = exc.body() if envelope is None else envelope(exc)
+    return web.Response(body=body, status=exc.status, content_type="application/json")

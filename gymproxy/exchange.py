@@ -11,8 +11,9 @@ chat completion or a Response). `Exchange.serve` then runs exactly one of:
   failure is raised as usual; after it, every failure ends the stream with a terminal event.
 
 `Exchange.relay` passes a request through unchanged (`/v1/completions`, `/tokenize`, `/v1/models`,
-and `/v1/responses` with `is_responses_native`). A reply that is not read to its end is closed,
-which makes vLLM abort the generation: when the client leaves, when a stream fails, at shutdown.
+`/v1/responses` with `is_responses_native`, and Anthropic's `/v1/messages`). A reply that is not read
+to its end is closed, which makes vLLM abort the generation: when the client leaves, when a stream
+fails, at shutdown.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import msgspec
@@ -44,6 +45,7 @@ from .errors import (
     AnswerLocally,
     ContextOverflow,
     GymproxyError,
+    Unavailable,
     UpstreamError,
     UpstreamStatus,
     describe,
@@ -311,21 +313,50 @@ class Exchange:
         except AnswerLocally as local:
             return await self._answer_locally(answer, local.finish_reason, stream=stream)
 
-    async def relay(self, route: str, data: bytes | None, *, method: str = "POST") -> web.StreamResponse:
-        """Send `data` to the session's upstream and relay its status and body chunk by chunk."""
-        sent = await self._send(route, data, method)
+    async def relay(
+        self,
+        route: str,
+        data: bytes | None,
+        *,
+        method: str = "POST",
+        query: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        fail: Callable[[GymproxyError], bytes] | None = None,
+    ) -> web.StreamResponse:
+        """Send `data` to the session's upstream and relay its status and body chunk by chunk.
+
+        `query` and `headers` go upstream too (see `Fleet.send`). `fail` is the route's last event
+        for a stream the upstream broke off: written when the stream is at an event boundary, so
+        the client's stream ends in its own protocol; otherwise the connection is dropped."""
+        sent = await self._send(route, data, method, query=query, headers=headers)
         try:
             reply = sent.reply
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
-            if reply.content_type == "text/event-stream":
+            stream = reply.content_type == "text/event-stream"
+            if stream:
                 response.headers.update(SSE_HEADERS)
             self.caller.stamp(response)
             await response.prepare(self.request)
+            end = b"\n\n"  # the last bytes relayed: do they end an event?
             try:
                 async for chunk in reply.iter_any():
                     await response.write(chunk)
-            except (asyncio.TimeoutError, ClientError):
+                    end = chunk[-4:] if len(chunk) >= 4 else (end + chunk)[-4:]
+            except (asyncio.TimeoutError, ClientError) as exc:
+                if fail is not None and stream and end.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                    sent.close()
+                    failure = (
+                        Unavailable(str(exc))
+                        if isinstance(exc, Aborted)
+                        else UpstreamError(f"the upstream {sent.upstream.url} failed mid-stream: {describe(exc)}")
+                    )
+                    try:
+                        await response.write(fail(failure))
+                        await response.write_eof()
+                    except ConnectionError:
+                        pass  # the client left as well
+                    return response
                 # The status line is gone: drop the connection so the client sees a cut body,
                 # never a complete-looking one.
                 if self.request.transport is not None:
@@ -426,10 +457,25 @@ class Exchange:
 
     # --- plumbing ----------------------------------------------------------------------------------
 
-    async def _send(self, route: str, data: bytes | None, method: str = "POST") -> Sent:
+    async def _send(
+        self,
+        route: str,
+        data: bytes | None,
+        method: str = "POST",
+        *,
+        query: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Sent:
         caller = self.caller
         sent = await self.fleet.send(
-            route, data, method=method, cookie=caller.cookie, key=caller.key, request_id=caller.request_id
+            route,
+            data,
+            method=method,
+            cookie=caller.cookie,
+            key=caller.key,
+            request_id=caller.request_id,
+            query=query,
+            headers=headers,
         )
         if sent.pin is not None:
             caller.pin = sent.pin

@@ -15,7 +15,7 @@ import base64
 import logging
 import secrets
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from yarl import URL
@@ -58,6 +58,7 @@ class Upstream:
         "weight",
         "headers",
         "json_headers",
+        "header_names",
         "urls",
         "inflight",
         "healthy",
@@ -80,6 +81,7 @@ class Upstream:
             headers["Authorization"] = f"Basic {token}"
         self.headers = headers
         self.json_headers = {**headers, **JSON_HEADERS}
+        self.header_names = frozenset(name.lower() for name in self.json_headers)  # a client's never replace them
         base = base.with_user(None)
         root = base.parent if base.name == "v1" else base
         query = dict(config.default_query)
@@ -92,6 +94,8 @@ class Upstream:
             "chat": url(base, "chat/completions"),
             "completions": url(base, "completions"),
             "responses": url(base, "responses"),
+            "messages": url(base, "messages"),
+            "count_tokens": url(base, "messages/count_tokens"),
             "models": url(base, "models"),
             "tokenize": url(root, "tokenize"),
             "health": url(root, "health"),
@@ -190,17 +194,23 @@ class Fleet:
         cookie: str | None = None,
         key: str | None = None,
         request_id: str | None = None,
+        query: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Sent:
         """Send to the session's upstream (by pin `cookie`, else session `key`, else placement) and read
-        the reply's head; an upstream that refuses the connection is skipped for the next one."""
+        the reply's head; an upstream that refuses the connection is skipped for the next one.
+
+        `query` (already encoded) is added to the route's URL; `headers` go along, below the
+        upstream's own (its key, `default_headers`), which they never replace."""
+        extra = (query, headers)
         if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
             upstream = self.upstreams[0]
-            return Sent(upstream, await self._attempt(upstream, route, data, method, request_id), None)
+            return Sent(upstream, await self._attempt(upstream, route, data, method, request_id, *extra), None)
         tried: list[Upstream] = []
         while True:
             pin = self.pinner.pick(cookie, key, exclude=tuple(tried))
             try:
-                reply = await self._attempt(pin.upstream, route, data, method, request_id)
+                reply = await self._attempt(pin.upstream, route, data, method, request_id, *extra)
             except NotConnected:
                 # Never connected, so vLLM never saw the request: safe to try another upstream.
                 tried.append(pin.upstream)
@@ -226,12 +236,24 @@ class Fleet:
             sent.release()
 
     async def _attempt(
-        self, upstream: Upstream, route: str, data: bytes | None, method: str, request_id: str | None
+        self,
+        upstream: Upstream,
+        route: str,
+        data: bytes | None,
+        method: str,
+        request_id: str | None,
+        query: str | None = None,
+        extra: Mapping[str, str] | None = None,
     ) -> Reply:
         """One request holding an in-flight slot of `upstream` (given back if it fails); failures
         are counted and mapped to 502/504 naming the URL."""
         url = upstream.urls[route]
+        if query:
+            url = URL(f"{url}{'&' if url.raw_query_string else '?'}{query}", encoded=True)
         headers = upstream.json_headers if data is not None else upstream.headers
+        if extra:
+            names = upstream.header_names
+            headers = {**{k: v for k, v in extra.items() if k.lower() not in names}, **headers}
         if request_id is not None:
             headers = {**headers, "X-Request-Id": request_id}
         await upstream.acquire()

@@ -62,16 +62,23 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
     app.on_shutdown.append(draining)
     app.setdefault(PROXIES, []).append(proxy)
     responses = routes.responses_native if config.is_responses_native else routes.responses
+    openai, anthropic = routes.OPENAI, routes.ANTHROPIC
     api = [
-        ("POST", "/v1/responses", responses),
-        ("POST", "/v1/chat/completions", routes.chat_completions),
-        ("POST", "/v1/completions", routes.relay("completions")),
-        ("POST", "/tokenize", routes.relay("tokenize")),
-        ("GET", "/v1/models", routes.models),
+        ("POST", "/v1/responses", responses, openai),
+        ("POST", "/v1/chat/completions", routes.chat_completions, openai),
+        ("POST", "/v1/completions", routes.relay("completions"), openai),
+        ("POST", "/tokenize", routes.relay("tokenize"), openai),
+        ("GET", "/v1/models", routes.models, openai),
     ]
+    if config.anthropic_messages:
+        api += [
+            ("POST", "/v1/messages", routes.anthropic("messages"), anthropic),
+            ("POST", "/v1/messages/count_tokens", routes.anthropic("count_tokens"), anthropic),
+            ("GET", "/api/hello", routes.live, anthropic),  # Claude Code's HEAD before its first request
+        ]
     table = []
-    for method, path, route in api:
-        bound = routes.bind(proxy, route, path)
+    for method, path, route, dialect in api:
+        bound = routes.bind(proxy, route, path, open_route=route is routes.live, dialect=dialect)
         table.append(web.route(method, prefix + path, bound))
         # NeMo Gym's rollout-scoped URLs: the prefix only labels the rollout.
         for scope in ROLLOUT_SCOPES:

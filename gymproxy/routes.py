@@ -6,11 +6,14 @@ POST /v1/chat/completions   decode -> ChatBackend (boundary rules) -> ChatAnswer
 with use_completions_api    both plan a CompletionsBackend instead of the ChatBackend
 with is_responses_native    /v1/responses is relayed to the upstream's own, with the config applied
 GET  /v1/models, POST /v1/completions, POST /tokenize   relayed as they are
+POST /v1/messages, /v1/messages/count_tokens   Anthropic's API, relayed to vLLM's own (messages.py)
+GET  /api/hello             Claude Code's reachability check
 GET  /health, /metrics      the fleet's state
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
 `bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
-rendered, the response stamped (request id, new pin) and counted.
+rendered, the response stamped (request id, new pin) and counted. A route's `Dialect` says which
+API's clients call it: where their key may come, and the envelope its errors are rendered in.
 """
 
 from __future__ import annotations
@@ -20,15 +23,25 @@ import hmac
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import orjson
 from aiohttp import streams, web
 
+from . import messages
 from .config import Config
 from .convert.request import to_chat_body
-from .errors import BadRequest, BodyTimeout, Handler, PayloadTooLarge, Unauthorized, from_validation, render
+from .errors import (
+    BadRequest,
+    BodyTimeout,
+    Envelope,
+    Handler,
+    PayloadTooLarge,
+    Unauthorized,
+    from_validation,
+    render,
+)
 from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
 from .ids import hex32
 from .pinning import read_cookie
@@ -43,11 +56,25 @@ LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
-def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> Handler:
+class Dialect(NamedTuple):
+    """The API a route's clients speak, as far as `bind` is concerned."""
+
+    envelope: Envelope | None  # how gymproxy's own errors are rendered (None: OpenAI's)
+    key_header: str | None  # a header that carries the inbound key, besides `Authorization: Bearer`
+    refused: str  # the 401's message
+
+
+OPENAI = Dialect(None, None, "a valid `Authorization: Bearer <key>` header is required")
+ANTHROPIC = Dialect(
+    messages.error_body, "x-api-key", "a valid `x-api-key: <key>` (or `Authorization: Bearer <key>`) header is required"
+)
+
+
+def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dialect: Dialect = OPENAI) -> Handler:
     """An aiohttp handler for `route`: access check, request id, errors rendered, cookie and metrics."""
     metrics = proxy.metrics
     keys = [key.encode() for key in proxy.config.access.api_keys] if not open_route else []
-    refused = "a valid `Authorization: Bearer <key>` header is required"
+    envelope, key_header, refused = dialect
     pinning = proxy.config.pinning
     cookie_name, session_headers = pinning.cookie_name, tuple(pinning.session_headers)
     clock = time.monotonic
@@ -65,11 +92,11 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False) -> 
             pinning,
         )
         try:
-            if keys and not _authorized(request, keys):
+            if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
             response = await route(proxy, request, caller)
         except Exception as exc:
-            response = render(exc, request)
+            response = render(exc, request, envelope)
         if not response.prepared:
             caller.stamp(response)  # errors of a new session carry its cookie too
         metrics.requests[(path, response.status)] += 1
@@ -151,6 +178,27 @@ def relay(route: str) -> Route:
         return await Exchange(proxy, request, caller).relay(route, data)
 
     relayed.__name__ = f"relay_{route}"
+    return relayed
+
+
+def anthropic(route: str) -> Route:
+    """`POST /v1/messages` (`route` "messages") or `/v1/messages/count_tokens` ("count_tokens"):
+    relayed to vLLM's own Anthropic endpoint with the configured model, the client's query string
+    and `anthropic-*` headers; a stream the upstream breaks off ends with an `error` event."""
+
+    async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+        config = proxy.config
+        body, user_id = messages.prepare(await read_body(request, config), config.model)
+        _add_user(caller, user_id, config)
+        return await Exchange(proxy, request, caller).relay(
+            route,
+            body,
+            query=request.rel_url.raw_query_string or None,
+            headers=messages.upstream_headers(request.headers.items()),
+            fail=messages.stream_error,
+        )
+
+    relayed.__name__ = f"anthropic_{route}"
     return relayed
 
 
@@ -322,15 +370,17 @@ def decode_chat(raw: bytes) -> dict[str, Any]:
 # --- access and ids --------------------------------------------------------------------------------
 
 
-def _authorized(request: web.Request, keys: list[bytes]) -> bool:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return False
-    given = token.strip().encode()
+def _authorized(request: web.Request, keys: list[bytes], key_header: str | None = None) -> bool:
+    """A configured key in `Authorization: Bearer`, or in `key_header` (Anthropic's `x-api-key`)."""
+    headers = request.headers
+    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    given = [token.strip().encode()] if scheme.lower() == "bearer" and token.strip() else []
+    if key_header is not None and (value := headers.get(key_header, "").strip()):
+        given.append(value.encode())
     ok = False
-    for key in keys:  # every key is compared, in constant time, so timing tells nothing
-        ok |= hmac.compare_digest(given, key)
+    for candidate in given:
+        for key in keys:  # every key is compared, in constant time, so timing tells nothing
+            ok |= hmac.compare_digest(candidate, key)
     return ok
 
 

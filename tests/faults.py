@@ -589,7 +589,7 @@ class RawUpstream:
                 if req is None:
                     break
                 self.requests.append(req)
-                if "/chat/completions" not in req.path:  # the startup probe, health checks
+                if not req.path.startswith(("/v1/chat/completions", "/v1/messages")):  # the probe, health checks
                     behaviour: Behaviour = meta
                     if req.path.endswith("/health"):
                         await asyncio.sleep(self.health_delay)

@@ -219,6 +219,7 @@ def test_the_reference_config_lists_every_option_with_its_default():
 def test_session_headers_and_the_older_single_header_key() -> None:
     default = build_config({"base_url": "http://x/v1"}, environ={})
     assert default.pinning.session_headers == ["X-Session-ID", "session-id", "X-Claude-Code-Session-Id"]
+    assert default.anthropic_messages is True
     old = build_config({"base_url": "http://x/v1", "pinning": {"session_header": "X-Rollout"}}, environ={})
     assert old.pinning.session_headers == ["X-Rollout"]
     new = build_config({"base_url": "http://x/v1", "pinning": {"session_headers": ["A", "B"]}}, environ={})

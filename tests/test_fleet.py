@@ -415,7 +415,7 @@ async def _send(session: aiohttp.ClientSession, url: str, path: str, body: dict,
         assert pin_of(r) is not None  # a cookie is offered, and the client never returns it
 
 
-@pytest.mark.parametrize("kind", ["X-Session-ID", CODEX, "prompt_cache_key", "user"])
+@pytest.mark.parametrize("kind", ["X-Session-ID", CODEX, CLAUDE, "prompt_cache_key", "user", "metadata.user_id"])
 async def test_a_keyed_client_without_cookies_stays_on_one_upstream(aiohttp_server, fleet, kind):
     fakes, url = await _two_named(aiohttp_server, fleet)
     keys = [f"{kind}-session-{i}" for i in range(8)]

@@ -98,6 +98,7 @@ class SeenRequest(msgspec.Struct):
     headers: dict[str, str]
     body: bytes
     json: Any
+    query: str = ""  # the raw (still encoded) query string
 
 
 class Rejection(Exception):
@@ -585,9 +586,13 @@ class FakeVLLM:
         try:
             body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError as exc:
-            self.requests.append(SeenRequest(request.path, dict(request.headers), raw, None))
+            self.requests.append(
+                SeenRequest(request.path, dict(request.headers), raw, None, request.rel_url.raw_query_string)
+            )
             raise Rejection(400, f"JSON decode error: {exc}", kind="Bad Request") from exc
-        self.requests.append(SeenRequest(request.path, dict(request.headers), raw, body))
+        self.requests.append(
+            SeenRequest(request.path, dict(request.headers), raw, body, request.rel_url.raw_query_string)
+        )
         if request.method == "POST" and not isinstance(body, dict):
             raise Rejection(400, "Input should be a valid dictionary", kind="Bad Request")
         return body

@@ -1,0 +1,115 @@
+"""Anthropic's Messages API, relayed: what gymproxy reads and changes on `/v1/messages` and
+`/v1/messages/count_tokens`, and how it says its own errors there.
+
+vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing:
+the route relays the request to the session's upstream as every relayed route does (pinned, failed
+over before a byte is sent, streamed chunk by chunk, the generation aborted when the client
+leaves). On top of that:
+
+- `prepare` checks that the body is one JSON object, and with `model` configured makes it the
+  body's top-level `model` (Claude Code asks for Claude models that vLLM does not serve). A body
+  whose first key is `model`, as the SDKs write it, is edited in place; any other is re-encoded.
+  It also returns `metadata.user_id`, the Messages API's `user`, which may key the session.
+- `upstream_headers`: the client's `anthropic-*` headers (`anthropic-version`, `anthropic-beta`)
+  go upstream; its `x-api-key`, like its `Authorization`, does not.
+- `error_body` renders gymproxy's own errors in Anthropic's envelope
+  `{"type": "error", "error": {"type", "message"}}`, and `stream_error` ends a relayed stream that
+  broke with an `error` event, as Anthropic's own streams end.
+
+vLLM's answers, its errors included (a context overflow is its own 400), pass as vLLM sent them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import msgspec
+
+from .errors import BadRequest, GymproxyError, UpstreamStatus
+from .schemas import ENCODER
+
+FORWARDED_PREFIX: Final = "anthropic-"
+
+# Anthropic's error types by status (its API docs, "HTTP errors"); other 4xx are invalid_request_error.
+ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",  # gymproxy has no upstream to give, or is shutting down: retry later
+    529: "overloaded_error",
+}
+
+# The body's first key is `model` with a string value: its span can be replaced without a parse.
+_FIRST_MODEL: Final = re.compile(
+    rb'\A[ \t\r\n]*\{[ \t\r\n]*"model"[ \t\r\n]*:[ \t\r\n]*(?P<value>"[^"\\]*(?:\\.[^"\\]*)*")'
+)
+
+
+class _View(msgspec.Struct):
+    """The fields gymproxy reads; decoding it checks the whole body's JSON without building it."""
+
+    model: Any = None
+    metadata: Any = None
+
+
+_VIEW: Final = msgspec.json.Decoder(_View)
+
+
+def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
+    """The body to send upstream (its top-level `model` set to `model`, when given) and the body's
+    `metadata.user_id`. Raises `BadRequest` when the body is not one JSON object."""
+    body = raw
+    if model is not None and (match := _FIRST_MODEL.match(raw)) is not None:
+        body = raw[: match.start("value")] + ENCODER.encode(model) + raw[match.end("value") :]
+    view: _View = _decode(_VIEW.decode, body)
+    if model is not None and view.model != model:
+        # The first key was not `model`, or a later duplicate wins in vLLM's parser: re-encode.
+        whole: dict[str, Any] = _decode(msgspec.json.decode, raw)
+        whole["model"] = model
+        body = ENCODER.encode(whole)
+    metadata = view.metadata
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    return body, user_id if isinstance(user_id, str) and user_id else None
+
+
+def _decode(decode: Callable[[bytes], Any], body: bytes) -> Any:
+    try:
+        decoded = decode(body)
+    except msgspec.ValidationError as exc:  # the top level is not an object
+        raise BadRequest("The request body must be a JSON object") from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
+    if isinstance(decoded, _View | dict):
+        return decoded
+    raise BadRequest("The request body must be a JSON object")
+
+
+def upstream_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The client's `anthropic-*` headers, each once (a repeated one's values joined by commas)."""
+    forwarded: dict[str, str] = {}
+    for name, value in headers:
+        if name.lower().startswith(FORWARDED_PREFIX):
+            key = name.lower()
+            forwarded[key] = f"{forwarded[key]},{value}" if key in forwarded else value
+    return forwarded
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(exc: GymproxyError) -> bytes:
+    """gymproxy's error in Anthropic's envelope (an upstream's own error body stays as it was)."""
+    if isinstance(exc, UpstreamStatus) and exc.raw is not None:
+        return exc.raw
+    return ENCODER.encode({"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}})
+
+
+def stream_error(exc: GymproxyError) -> bytes:
+    """The `error` event that ends a Messages stream gymproxy could not finish."""
+    return b"event: error\ndata: " + error_body(exc) + b"\n\n"
