@@ -65,7 +65,9 @@ def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
     `metadata.user_id`. Raises `BadRequest` when the body is not one JSON object."""
     body = raw
     if model is not None and (match := _FIRST_MODEL.match(raw)) is not None:
-        body = raw[: match.start("value")] + ENCODER.encode(model) + raw[match.end("value") :]
+        value = ENCODER.encode(model)
+        if match["value"] != value:
+            body = raw[: match.start("value")] + value + raw[match.end("value") :]
     view: _View = _decode(_VIEW.decode, body)
     if model is not None and view.model != model:
         # The first key was not `model`, or a later duplicate wins in vLLM's parser: re-encode.

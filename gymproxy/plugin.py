@@ -78,6 +78,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
         ]
     table = []
     for method, path, route, dialect in api:
+        # /api/hello is a reachability check, open like the liveness probes.
         bound = routes.bind(proxy, route, path, open_route=route is routes.live, dialect=dialect)
         table.append(web.route(method, prefix + path, bound))
         # NeMo Gym's rollout-scoped URLs: the prefix only labels the rollout.
