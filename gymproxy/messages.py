@@ -67,7 +67,8 @@ def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
     if model is not None and (match := _FIRST_MODEL.match(raw)) is not None:
         value = ENCODER.encode(model)
         if match["value"] != value:
-            body = raw[: match.start("value")] + value + raw[match.end("value") :]
+            parts = memoryview(raw)  # joined from views: one copy of the body, not three
+            body = b"".join((parts[: match.start("value")], value, parts[match.end("value") :]))
     view: _View = _decode(_VIEW.decode, body)
     if model is not None and view.model != model:
         # The first key was not `model`, or a later duplicate wins in vLLM's parser: re-encode.
