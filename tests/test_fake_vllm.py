@@ -239,6 +239,54 @@ async def test_directives(fake_vllm: FakeVLLM) -> None:
     )
 
 
+SHELL = {"type": "function", "function": {"name": "exec_command", "parameters": {"type": "object"}}}
+CALL = '[[call:exec_command {"cmd": "echo hi [x]", "env": {"A": "}]"}}]]'
+
+
+async def test_call_directive_round_trip(fake_vllm: FakeVLLM) -> None:
+    """[[call:...]]: the named call with exactly those arguments, then the tool's output in text."""
+    ask = [{"role": "user", "content": f"please {CALL} now"}, {"role": "system", "content": "a harness note"}]
+    _, body = await post(fake_vllm, "/chat/completions", chat(messages=ask, tools=[WEATHER, SHELL]))
+    (call,) = choice(body)["message"]["tool_calls"]
+    assert call["function"] == {"name": "exec_command", "arguments": '{"cmd": "echo hi [x]", "env": {"A": "}]"}}'}
+    assert choice(body)["finish_reason"] == "tool_calls"
+
+    streamed = await stream(fake_vllm, "/chat/completions", chat(messages=ask, tools=[SHELL]))
+    parts = [c for chunk in streamed[1:] for c in choice(chunk)["delta"].get("tool_calls", [])]
+    assert parts[0]["function"]["name"] == "exec_command"
+    assert "".join(p["function"]["arguments"] for p in parts) == call["function"]["arguments"]
+
+    assistant = {"role": "assistant", "content": None, "tool_calls": [{**call, "type": "function"}]}
+    result = {"role": "tool", "tool_call_id": call["id"], "content": [{"type": "text", "text": "hi [x]\n"}]}
+    after = [*ask, assistant, result, {"role": "developer", "content": "another note"}]
+    _, body = await post(fake_vllm, "/chat/completions", chat(messages=after, tools=[SHELL]))
+    assert choice(body)["message"]["content"] == "tool said: hi [x]\n" and not choice(body)["message"]["tool_calls"]
+    got = await stream(fake_vllm, "/chat/completions", chat(messages=after, tools=[SHELL]))
+    assert "".join(choice(c)["delta"].get("content") or "" for c in got[1:]) == "tool said: hi [x]\n"
+
+    # Two results of parallel calls: both outputs, in order.
+    two = [*ask, assistant, result, {**result, "content": "second"}]
+    _, body = await post(fake_vllm, "/chat/completions", chat(messages=two, tools=[SHELL]))
+    assert choice(body)["message"]["content"] == "tool said: hi [x]\n\nsecond"
+
+
+async def test_call_directive_names_any_tool_and_checks_its_arguments(fake_vllm: FakeVLLM) -> None:
+    # A tool the request does not offer is called all the same; no arguments means {}.
+    _, body = await post(fake_vllm, "/chat/completions", chat(messages=[{"role": "user", "content": "[[call:nope]]"}]))
+    assert choice(body)["message"]["tool_calls"][0]["function"] == {"name": "nope", "arguments": "{}"}
+    status, body = await post(
+        fake_vllm, "/chat/completions", chat(messages=[{"role": "user", "content": "[[call:x {oops}]]"}])
+    )
+    assert status == 400 and "are not JSON" in body["error"]["message"]
+
+
+async def test_no_call_directive_answers_in_text_despite_tools(fake_vllm: FakeVLLM) -> None:
+    say = [{"role": "user", "content": "hello there [[no-call]]"}]
+    _, body = await post(fake_vllm, "/chat/completions", chat(messages=say, tools=[WEATHER]))
+    assert choice(body)["message"]["tool_calls"] == []
+    assert choice(body)["message"]["content"] == "echo: hello there [[no-call]]"
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 async def test_errors_before_generation_are_plain_json(small_vllm: FakeVLLM, streamed: bool) -> None:
     nine = [{"role": "user", "content": "one two three four five six seven eight nine"}]

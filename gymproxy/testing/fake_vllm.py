@@ -4,8 +4,16 @@ It speaks vLLM 0.32's wire format (spec/wire-facts.md §0, A.1-A.7): chat and te
 streamed or not, token ids and logprobs, `/tokenize`, `/v1/models`, `/health` and vLLM's error
 envelopes. Each generation request pops one queued `Script`. With the queue empty, the reply comes
 from the request: `"echo: <last user text>"`, or a call to the first function tool when tools are
-offered. Directives in the last user text force a case: `[[overflow]]` (the context-length 400),
-`[[reason]]` (adds reasoning) and `[[error:<status>]]` (that status, in vLLM's error envelope).
+offered and the user spoke last. Directives in the last user text force a case: `[[overflow]]`
+(the context-length 400), `[[reason]]` (adds reasoning), `[[error:<status>]]` (that status, in
+vLLM's error envelope) and `[[no-call]]` (text, even when tools are offered).
+
+`[[call:<name> <JSON arguments>]]`, e.g. `[[call:exec_command {"cmd": "echo hi"}]]`, drives an agent
+harness through one tool round trip: while the user spoke last, the reply calls the tool `<name>`
+with those arguments (offered or not, so a test can see how a harness treats an unknown tool); once
+tool results follow the last assistant turn, it answers `"tool said: <their text>"`, so a test can
+check that the harness really ran the call and sent its output back. System and developer messages
+after the user's do not count as a turn (agent harnesses append notes there).
 
 It also speaks vLLM's Anthropic Messages endpoint (`vllm/entrypoints/anthropic`): `POST /v1/messages`
 and `/v1/messages/count_tokens`. A Messages request is first made into the chat request vLLM makes
@@ -64,6 +72,8 @@ BILLING_HEADER: Final = "x-anthropic-billing-header"  # Claude Code's per-reques
 
 _PIECE: Final = re.compile(r"\s*\S+(?:\s+\Z)?|\s+")  # trailing whitespace joins the last word
 _ERROR_DIRECTIVE: Final = re.compile(r"\[\[error:(\d{3})\]\]")
+_CALL_DIRECTIVE: Final = re.compile(r"\[\[call:(?P<name>[^\s\]]+)(?:\s+(?P<arguments>\{.*?\}))?\]\]", re.DOTALL)
+_NOTES: Final = ("system", "developer")  # roles that do not take a turn in the conversation
 
 
 class Script(msgspec.Struct, kw_only=True):
@@ -550,6 +560,26 @@ def _reset(request: web.Request) -> None:
     transport.abort()
 
 
+def _call_directive(script: Script, match: re.Match[str], messages: list[Any]) -> Script:
+    """`[[call:<name> <arguments>]]`: the call while the user spoke last; after tool results, their text."""
+    arguments = match["arguments"] or "{}"
+    try:
+        orjson.loads(arguments)
+    except orjson.JSONDecodeError as exc:
+        raise Rejection(400, f"fake vLLM: the arguments of {match[0]!r} are not JSON: {exc}") from exc
+    turns = [m for m in messages if isinstance(m, dict) and m.get("role") not in _NOTES]
+    results: list[str] = []
+    for message in reversed(turns):
+        if message.get("role") != "tool":
+            break
+        results.insert(0, _text(message.get("content")))
+    if results:
+        script.content = "tool said: " + "\n".join(results)
+    elif turns and turns[-1].get("role") == "user":
+        script.tool_calls = [{"name": match["name"], "arguments": arguments}]
+    return script
+
+
 class FakeVLLM:
     """An in-process vLLM stand-in that records what it is sent and replies as scripted."""
 
@@ -675,10 +705,13 @@ class FakeVLLM:
         if match := _ERROR_DIRECTIVE.search(text):
             return Script(status=int(match[1]), error_message=f"fake vLLM: injected error {match[1]}")
         script = Script(reasoning="thinking about it" if "[[reason]]" in text else None)
+        if match := _CALL_DIRECTIVE.search(text):
+            return _call_directive(script, match, body.get("messages") or [])
         tools = [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
         choice = body.get("tool_choice")
         last = (body.get("messages") or [{}])[-1]
-        if tools and choice != "none" and isinstance(last, dict) and last.get("role") == "user":
+        wants_call = choice != "none" and "[[no-call]]" not in text
+        if tools and wants_call and isinstance(last, dict) and last.get("role") == "user":
             named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
             script.tool_calls = [{"name": named or tools[0]["name"], "arguments": "{}"}]
         return script
