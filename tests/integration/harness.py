@@ -28,9 +28,11 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from .make_model import MAX_POSITIONS
+
 T = TypeVar("T")
 MODEL_NAME = "tiny-qwen2"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = MAX_POSITIONS  # agent harnesses send tens of thousands of prompt tokens
 
 # Headers a proxy must not copy from one hop to the next.
 HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "content-encoding"}
@@ -107,7 +109,8 @@ class VLLM:
             args += ["--reasoning-parser", self.reasoning_parser]
         env = {
             **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default reserves far more than a 512-token model needs
+            # GiB; the default reserves far more than this model needs (512 bytes a token: 32 MiB a sequence)
+            "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two servers share the machine's cores
             "OMP_NUM_THREADS": "1",
             "VLLM_NO_USAGE_STATS": "1",

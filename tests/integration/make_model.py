@@ -15,12 +15,15 @@ greedy decoding walks a fixed chain from whatever token ends the prompt:
     BRANCH, tools     -> <tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call> <|im_end|>
 
 The branch needs to know whether the template put `<|tool_mode|>` into the prompt (it does so when
-tools are given and the last message is the user's; after a tool result the model answers in
-text). Layer 0's attention finds it: every query is the same constant vector and only
+tools are given and the last message is the user's, system notes after it aside, as Claude Code
+appends one; after a tool result the model answers in text). Layer 0's attention finds it: every query is the same constant vector and only
 `<|tool_mode|>` has a key (in the slowest-rotating RoPE pair, so position does not matter), so
 every position attends to it when it is there, and its value writes a flag dimension that tips the
 branch token towards `<tool_call>`. Without it, attention spreads over zero values and the flag
 stays 0. Logit margins are large (>= 15 nats), so even sampling at temperature 1 follows the chain.
+The context is 65,536 tokens, because agent harnesses send system prompts of tens of thousands of
+tokens (and Claude Code asks for `max_tokens: 32000`); the flag's attention score (about 50) keeps
+the flag whole at that length.
 
 Usage: python make_model.py DIR   (builds DIR, then checks the chains with transformers)
        python make_model.py --check DIR   (exit 0 when DIR was built by this exact script)
@@ -49,8 +52,11 @@ CALL = ['\n{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}\n']
 REASONING_TEXT = "".join(REASONING)
 ANSWER_TEXT = "".join(ANSWER)
 TOOL_NAME, TOOL_ARGUMENTS = "get_weather", {"city": "Paris"}
+MAX_POSITIONS = 65_536
 
 CHAT_TEMPLATE = r"""
+{%- set turn = namespace(last='') %}
+{%- for message in messages if message.role != 'system' %}{%- set turn.last = message.role %}{%- endfor %}
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
@@ -84,7 +90,7 @@ CHAT_TEMPLATE = r"""
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
-    {%- if tools and messages[-1].role == 'user' %}{{- '<|tool_mode|>' }}{%- endif %}
+    {%- if tools and turn.last == 'user' %}{{- '<|tool_mode|>' }}{%- endif %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """.strip()
@@ -229,7 +235,7 @@ def build(out: Path) -> None:
         tokenizer_object=raw,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        model_max_length=4096,
+        model_max_length=MAX_POSITIONS,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -249,7 +255,7 @@ def build(out: Path) -> None:
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
-        max_position_embeddings=4096,
+        max_position_embeddings=MAX_POSITIONS,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         rope_theta=1000000.0,  # transformers < 5 reads this key
@@ -276,7 +282,7 @@ def build(out: Path) -> None:
 
 
 def verify(path: Path) -> None:
-    """Greedy-decode the three cases with transformers and check the chains."""
+    """Greedy-decode each case with transformers and check the chains."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -298,9 +304,14 @@ def verify(path: Path) -> None:
         },
         {"role": "tool", "content": "sunny"},
     ]
+    # Claude Code appends a system note after the user's message; a harness's long system prompt.
+    noted = user + [{"role": "system", "content": "The working directory is /work."}]
+    long = [{"role": "system", "content": "You are a helpful assistant. " * 700}, *user]
     plain = f"<think>{REASONING_TEXT}</think>{BRANCH}{ANSWER_TEXT}"
     called = f"<think>{REASONING_TEXT}</think>{BRANCH}<tool_call>{''.join(CALL)}</tool_call>"
-    for messages, tools, want in ((user, None, plain), (user, [tool], called), (after_tool, [tool], plain)):
+    cases = [(user, None, plain), (user, [tool], called), (after_tool, [tool], plain)]
+    cases += [(noted, [tool], called), (after_tool + noted[1:], [tool], plain), (long, [tool], called)]
+    for messages, tools, want in cases:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, max_new_tokens=30, do_sample=False)
