@@ -4,7 +4,9 @@ The suite runs only with GYMPROXY_INTEGRATION=1 (`.ci/run` sets it once `prepare
 vLLM venv and the tiny model); otherwise every test here is skipped with a reason. The venv and the
 model come from GYMPROXY_VLLM_PYTHON / GYMPROXY_VLLM_MODEL, or from running prepare.sh. When they
 cannot be had the tests are skipped with prepare.sh's reason, unless GYMPROXY_REQUIRE_VLLM=1, which
-makes that a failure. GYMPROXY_RECORD=1 writes each test's traffic to tests/data/vllm-0.32/.
+makes that a failure; GYMPROXY_VLLM_UNAVAILABLE=<reason> skips them without trying (run.sh sets it
+when prepare.sh could not install vLLM, and still runs the real-client suite against the fake).
+GYMPROXY_RECORD=1 writes each test's traffic to tests/data/vllm-0.32/.
 
 Topology of one gymproxy (each arrow a real HTTP hop on loopback):
 
@@ -76,6 +78,8 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def paths() -> Paths:
+    if unavailable := os.environ.get("GYMPROXY_VLLM_UNAVAILABLE"):  # run.sh: prepare.sh said why
+        _unavailable(unavailable)
     python, model = os.environ.get("GYMPROXY_VLLM_PYTHON"), os.environ.get("GYMPROXY_VLLM_MODEL")
     if not (python and model):
         done = subprocess.run(["bash", str(HERE / "prepare.sh")], capture_output=True, text=True)
