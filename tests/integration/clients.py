@@ -91,9 +91,22 @@ def run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float) -> Run:
         code = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
         code = KILLED
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired as exc:  # a descendant in a session of its own holds the pipes
+            stdout, stderr = (_decoded(exc.stdout), _decoded(exc.stderr) + "\n(output pipes still held open)")
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            proc.wait(10)
     return Run(argv, code, stdout, stderr, time.monotonic() - started, timeout)
+
+
+def _decoded(output: bytes | str | None) -> str:
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def base_env(home: Path) -> dict[str, str]:

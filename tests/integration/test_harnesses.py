@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from .clients import SAMPLES, ClaudeCode, Codex, Harness, Turn, sample, turns
+from .clients import SAMPLES, ClaudeCode, Codex, Harness, Turn, base_env, run, sample, turns
 from .conftest import RECORD, Proxy, ProxyFactory
 from .harness import MAX_MODEL_LEN, MODEL_NAME, Exchange, LoopThread, free_port, stop, wait_http
 from .make_model import ANSWER_TEXT, TOOL_NAME
@@ -272,3 +274,44 @@ def test_second_turn_stays_on_one_upstream(harness: Harness, backend: Backend) -
     users = [t.text for t in last if t.role == "user"]
     assert any(mark in text for text in users[:-1]) and "Thanks" in users[-1], f"{last}\n{why}"
     assert answer in two.stdout, why
+
+
+# --- a harness that hangs ------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaped counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_hanging_harness_is_killed_at_its_timeout(tmp_path: Path) -> None:
+    """The run ends at its timeout with what it printed, and takes the commands it started along."""
+    script = "echo started; echo oops >&2; sleep 300 & echo $! > child.pid; wait"
+    began = time.monotonic()
+    done = run(["bash", "-c", script], base_env(tmp_path), tmp_path, timeout=2)
+    assert time.monotonic() - began < 10
+    assert done.timed_out and done.stdout == "started\n" and done.stderr == "oops\n"
+    assert "killed after its 2 s timeout" in done.report() and "started" in done.report()
+    with pytest.raises(AssertionError, match="killed after its 2 s timeout"):
+        done.check()
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def test_a_harness_whose_descendant_keeps_its_output_open_still_ends(tmp_path: Path) -> None:
+    """A descendant in a session of its own survives the kill and holds the pipes: the run ends anyway."""
+    script = "echo started; setsid sleep 300 & echo $! > escaped.pid; wait"
+    began = time.monotonic()
+    done = run(["bash", "-c", script], base_env(tmp_path), tmp_path, timeout=1)
+    escaped = int((tmp_path / "escaped.pid").read_text())
+    try:
+        assert time.monotonic() - began < 20
+        assert done.timed_out and "(output pipes still held open)" in done.stderr
+    finally:
+        os.kill(escaped, signal.SIGKILL)
