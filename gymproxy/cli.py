@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "fake-vllm":
         from .testing.fake_vllm import run
 
-        run(args.host, args.port, args.model)
+        run(args.host, args.port, args.model, args.max_model_len)
         return
     try:
         config = _load(args)
@@ -177,4 +177,5 @@ def _parser() -> argparse.ArgumentParser:
     fake.add_argument("--host", default="127.0.0.1")
     fake.add_argument("--port", type=int, default=8001)
     fake.add_argument("--model", default="fake-model")
+    fake.add_argument("--max-model-len", type=int, help="the context length it claims and enforces (default 131072)")
     return parser

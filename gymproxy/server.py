@@ -269,9 +269,9 @@ def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.A
 
 def _fake_vllm(port: int, model: str) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
-        from .testing.fake_vllm import start
+        from .testing.fake_vllm import DEMO_MAX_MODEL_LEN, start
 
-        fake_runner = (await start("127.0.0.1", port, model))[1]
+        fake_runner = (await start("127.0.0.1", port, model, DEMO_MAX_MODEL_LEN))[1]
         yield
         await fake_runner.cleanup()
 

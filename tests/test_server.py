@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -314,3 +315,46 @@ def test_serve_freezes_startup_objects_and_collects_cycles_rarely():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+async def test_with_no_upstream_the_demo_fake_takes_what_agent_harnesses_send(tmp_path):
+    """The Quick start: `gymproxy serve` alone answers a Claude Code-sized turn (a long system prompt,
+    `max_tokens: 32000`) and a Codex-style Responses turn, through its bundled fake vLLM."""
+    port = free_port()
+    with (tmp_path / "serve.log").open("wb") as log:  # the child keeps its own descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gymproxy", "serve", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    async with session.get(url + "/healthz") as ready:
+                        if ready.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "serve.log").read_text()
+                await asyncio.sleep(0.1)
+            system = "You are an agent. " * 4000  # ~16k words, as long as a harness's system prompt
+            turn = {
+                "model": "claude-sonnet-4-5",
+                "max_tokens": 32000,
+                "system": [{"type": "text", "text": system}],
+                "messages": [{"role": "user", "content": "Say hello"}],
+            }
+            async with session.post(url + "/v1/messages?beta=true", json=turn) as reply:
+                assert reply.status == 200, await reply.text()
+                assert (await reply.json())["content"][0]["text"] == "echo: Say hello"
+            codex = {
+                "model": "m",
+                "input": [{"role": "developer", "content": system}, {"role": "user", "content": "hi"}],
+            }
+            async with session.post(url + "/v1/responses", json=codex) as reply:
+                assert reply.status == 200, await reply.text()
+                assert (await reply.json())["status"] == "completed"
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0

@@ -65,6 +65,9 @@ VOCAB_SIZE: Final = 50_000
 POLL_SECONDS: Final = 0.02
 GENERATION_PATHS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 FAILURE_MODES: Final = ("reset", "truncate", "bad_json", "error")
+# The demo fake (`gymproxy serve` with no upstream, `gymproxy fake-vllm`) takes what real agent
+# harnesses send: long system prompts, and Claude Code's `max_tokens: 32000`.
+DEMO_MAX_MODEL_LEN: Final = 131_072
 COMPLETIONS_MAX_TOKENS: Final = 16  # vLLM's default for /v1/completions; chat has none
 MID_STREAM_ERROR: Final = "fake vLLM: injected mid-stream error"
 ANTHROPIC_STOP: Final = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -879,10 +882,10 @@ class FakeVLLM:
 
 
 async def start(
-    host: str = "127.0.0.1", port: int = 0, model: str = "fake-model"
+    host: str = "127.0.0.1", port: int = 0, model: str = "fake-model", max_model_len: int = 4096
 ) -> tuple[FakeVLLM, web.AppRunner, str]:
     """Serve a FakeVLLM in the running loop; returns it, its runner (to clean up) and its base URL (…/v1)."""
-    fake = FakeVLLM(model=model)
+    fake = FakeVLLM(model=model, max_model_len=max_model_len)
     runner = web.AppRunner(fake.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -890,9 +893,10 @@ async def start(
     return fake, runner, fake.url
 
 
-def run(host: str, port: int, model: str = "fake-model") -> None:
-    """Serve a FakeVLLM until interrupted."""
-    web.run_app(FakeVLLM(model=model).app, host=host, port=port, handler_cancellation=True)
+def run(host: str, port: int, model: str = "fake-model", max_model_len: int | None = None) -> None:
+    """Serve a FakeVLLM until interrupted (claiming `DEMO_MAX_MODEL_LEN` unless told otherwise)."""
+    fake = FakeVLLM(model=model, max_model_len=max_model_len or DEMO_MAX_MODEL_LEN)
+    web.run_app(fake.app, host=host, port=port, handler_cancellation=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -901,7 +905,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="fake-model")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=DEMO_MAX_MODEL_LEN)
     args = parser.parse_args(argv)
     fake = FakeVLLM(model=args.model, max_model_len=args.max_model_len)
     web.run_app(fake.app, host=args.host, port=args.port, handler_cancellation=True)
