@@ -32,7 +32,7 @@ import gymproxy.exchange as exchange
 import gymproxy.routes as routes
 from gymproxy import cli
 from gymproxy.convert.boundary import Boundary
-from gymproxy.intake import RequestReader
+from gymproxy.convert.request import RequestReader
 
 _clock = time.perf_counter_ns
 

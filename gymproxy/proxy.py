@@ -11,9 +11,9 @@ import msgspec
 
 from .config import Config
 from .convert import boundary, completions
+from .convert.request import RequestReader
 from .fleet import Fleet
 from .http1 import Aborted
-from .intake import RequestReader
 from .metrics import Metrics
 from .templates import ChatTemplate
 

@@ -296,7 +296,7 @@ def test_hosted_tool_choices_decode_so_the_conversion_can_refuse_them(choice):
 
 
 def test_unknown_tool_type_fails_the_plain_decode():
-    # intake.RequestReader drops such tools (tests/test_intake.py); the decoder alone names the field.
+    # convert.request.RequestReader drops such tools (tests/test_convert_request_reading.py); the decoder alone names the field.
     error = invalid({"input": "x", "tools": [{"type": "function", "name": "f"}, {"type": "teleport"}]})
     assert error.param == "tools[1].type"
 

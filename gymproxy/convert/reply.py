@@ -39,7 +39,7 @@ from ..schemas.responses import (
     TextEcho,
 )
 from .boundary import split_think
-from .namespaces import namespace_map, restore
+from .request import namespace_map, restore
 from .tokens import TokenInfo, attach_to_chat
 
 INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}

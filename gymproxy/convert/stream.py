@@ -56,8 +56,8 @@ from ..schemas.responses import (
     SummaryText,
 )
 from .boundary import CLOSE, OPEN
-from .namespaces import NamespaceMap, namespace_map, shown
 from .reply import NO_PARSER, attach_tokens, echo, empty_completion, has_reasoning, to_response
+from .request import NamespaceMap, namespace_map, shown
 from .tokens import TokenInfo
 
 DONE_FRAME = b"data: [DONE]\n\n"

@@ -131,7 +131,7 @@ class HostedChoice(msgspec.Struct):
 
 # The hosted tool types of openai-python 3.57's `ToolParam` (and `computer_use`, a `tool_choice`
 # type). A tool of a type in neither `TOOL_TYPES` nor this list is dropped too, by
-# `intake.RequestReader`, on a slower path (the body is decoded twice).
+# `convert.request.RequestReader`, on a slower path (the body is decoded twice).
 HOSTED_TOOL_TYPES: Final = (
     "apply_patch",
     "code_interpreter",

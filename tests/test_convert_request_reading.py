@@ -1,4 +1,4 @@
-"""gymproxy.intake: what `/v1/responses` takes in (every field of the Responses API's request), what
+"""gymproxy.convert.request, reading: what `/v1/responses` takes in (every field of the Responses API's request), what
 it drops on the way (hosted tools, unknown fields with `unknown_fields: drop`), each said once.
 
 The reader is tested on its own, then through the real route in front of the fake vLLM: a request
@@ -17,8 +17,8 @@ import openai
 import orjson
 import pytest
 
+from gymproxy.convert.request import MAX_WARNED, RequestReader
 from gymproxy.errors import BadRequest
-from gymproxy.intake import MAX_WARNED, RequestReader
 from gymproxy.schemas.responses import CustomTool, FunctionTool
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}, "strict": False}

@@ -1,4 +1,4 @@
-"""Namespace tools (gymproxy.convert.namespaces): flattened for vLLM, restored for the client, on
+"""Namespace tools (gymproxy.convert.request; restored by convert.reply and convert.stream): flattened for vLLM, restored for the client, on
 both paths. NeMo Gym does it only when streaming (spec deliberate difference 7).
 
 The vectors are NeMo Gym's own, restated: its tests of `flatten_namespace_tools`,
@@ -20,10 +20,9 @@ import pytest
 
 from gymproxy.convert.boundary import Boundary, Rules
 from gymproxy.convert.reply import to_response
-from gymproxy.convert.request import to_chat_body
+from gymproxy.convert.request import RequestReader, to_chat_body
 from gymproxy.convert.stream import ResponsesStream
 from gymproxy.errors import BadRequest
-from gymproxy.intake import RequestReader
 from gymproxy.schemas import ENCODER
 from gymproxy.schemas.chat import COMPLETION_DECODER
 from gymproxy.schemas.responses import ResponsesRequest
