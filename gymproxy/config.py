@@ -55,6 +55,16 @@ class UpstreamSpec(Settings, frozen=True, kw_only=True):
     weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # share of cookie-less sessions
 
 
+class LoadBound(Settings, frozen=True, kw_only=True):
+    """Consistent hashing with bounded loads: an upstream takes new sessions while its in-flight count
+    is at most `max(share * (1 + epsilon), share + slack)`; pinned sessions leave it only past that
+    bound times `1 + hysteresis`."""
+
+    epsilon: Annotated[float, msgspec.Meta(ge=0)] = 0.25
+    slack: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    hysteresis: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+
+
 class Pinning(Settings, frozen=True, kw_only=True):
     """Session pinning (prefix-cache affinity)."""
 
@@ -71,6 +81,27 @@ class Pinning(Settings, frozen=True, kw_only=True):
     )
     use_user_field: bool = True  # the request body's `user` field also keys a session
     placement: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+    load_bound: LoadBound = LoadBound()
+    # Cookie-less keyed sessions that moved, remembered per process: at most this many, each for
+    # this long after its last use.
+    moved_keys: Annotated[int, msgspec.Meta(ge=1)] = 65536
+    moved_ttl_s: Seconds = 3600.0
+
+
+class Retries(Settings, frozen=True, kw_only=True):
+    """Re-sending a request that no upstream began (refused, closed before any byte, vLLM's "busy" 503)."""
+
+    attempts: Annotated[int, msgspec.Meta(ge=1)] = 3  # sends in all, the first included
+    deadline_s: Seconds = 30.0  # no retry starts later than this after the first send
+    backoff_s: Seconds = 0.25  # full jitter: a wait in [0, min(backoff_max_s, backoff_s * 2^n)]
+    backoff_max_s: Seconds = 4.0
+
+
+class Breaker(Settings, frozen=True, kw_only=True):
+    """Per-upstream circuit breaker: `failures` in a row open it for `cooldown_s`, then one probe."""
+
+    failures: Annotated[int, msgspec.Meta(ge=1)] = 5
+    cooldown_s: Seconds = 10.0
 
 
 class Health(Settings, frozen=True, kw_only=True):
@@ -158,6 +189,8 @@ class Config(Settings, frozen=True, kw_only=True):
     # (with a warning once per name) for clients that send their own.
     unknown_fields: Literal["reject", "drop"] = "reject"
     pinning: Pinning = Pinning()
+    retries: Retries = Retries()
+    breaker: Breaker = Breaker()
     health: Health = Health()
     default_query: dict[str, str] = {}
     timeouts: Timeouts = Timeouts()

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import email.utils
 import logging
+import random
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from yarl import URL
 
+from .breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from .config import Config, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
@@ -28,10 +32,11 @@ from .errors import (
     Saturated,
     Unavailable,
     UpstreamError,
+    UpstreamStatus,
     UpstreamTimeout,
     describe,
 )
-from .http1 import Aborted, CannotConnect, Client, ClientError, Reply
+from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply
 from .metrics import Metrics, label
 from .pinning import Pinner, Signer
 
@@ -41,6 +46,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 PROBE_TIMEOUT = 10.0
 
+BREAKER = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half-open"}
 Gauge = tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]
 
 
@@ -63,6 +69,7 @@ class Upstream:
         "inflight",
         "healthy",
         "failed_checks",
+        "breaker",
         "_slots",
         "_reject",
     )
@@ -103,6 +110,7 @@ class Upstream:
         self.inflight = 0
         self.healthy = True
         self.failed_checks = 0  # consecutive failed health checks
+        self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
         cap = config.limits.max_inflight_per_upstream
         self._slots = asyncio.Semaphore(cap) if cap else None
         self._reject = config.limits.when_full == "reject"
@@ -114,6 +122,11 @@ class Upstream:
                 raise Saturated(f"upstream {self.url} has {self.inflight} requests in flight, its configured cap")
             await self._slots.acquire()
         self.inflight += 1
+
+    @property
+    def blocked(self) -> bool:
+        """Its circuit breaker lets no request through now."""
+        return self.breaker.blocked
 
     def release(self) -> None:
         self.inflight -= 1
@@ -172,7 +185,18 @@ class Fleet:
                     "key and do not carry over to other workers, replicas or restarts",
                     pinning.secret_env,
                 )
-        self.pinner = Pinner(self.upstreams, Signer(secret.encode(), pinning.max_age), placement=pinning.placement)
+        bound = pinning.load_bound
+        self.pinner = Pinner(
+            self.upstreams,
+            Signer(secret.encode(), pinning.max_age),
+            placement=pinning.placement,
+            epsilon=bound.epsilon,
+            slack=bound.slack,
+            hysteresis=bound.hysteresis,
+            moved_max=pinning.moved_keys,
+            moved_ttl=pinning.moved_ttl_s,
+        )
+        self.retries: defaultdict[str, int] = defaultdict(int)  # re-sends, by reason
         self.health_checks: defaultdict[tuple[str, str], int] = defaultdict(int)  # (upstream, result) -> count
 
     def open(self) -> None:
@@ -198,28 +222,100 @@ class Fleet:
         headers: Mapping[str, str] | None = None,
     ) -> Sent:
         """Send to the session's upstream (by pin `cookie`, else session `key`, else placement) and read
-        the reply's head; an upstream that refuses the connection is skipped for the next one.
+        the reply's head, re-sending to the session's next upstream what no upstream began.
+
+        Re-sent (within `retries`): a refused connection, one closed or reset before any reply byte
+        (vLLM aborts a request whose connection closes, so nothing runs twice), and vLLM's "busy"
+        and "paused" 503s. Never re-sent: anything that got a status line otherwise, and anything
+        after this returns (the caller may have sent bytes to its client by then).
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace."""
         extra = (query, headers)
-        if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
-            upstream = self.upstreams[0]
-            return Sent(upstream, await self._attempt(upstream, route, data, method, request_id, *extra), None)
+        single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
+        budget = self.config.retries
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget.deadline_s
         tried: list[Upstream] = []
+        failed: list[Upstream] = []
+        reason = "down"
+        attempt = streak = 0
+        last_kind = ""
+        resent_stale = False
         while True:
-            pin = self.pinner.pick(cookie, key, exclude=tuple(tried))
+            if single:
+                upstream, pin = self.upstreams[0], None
+            else:
+                chosen = self.pinner.pick(cookie, key, exclude=tuple(tried), reason=reason)
+                upstream, pin = chosen.upstream, chosen.cookie
+                upstream.breaker.admit()
+            attempt += 1
+            sent: Sent | None = None
             try:
-                reply = await self._attempt(pin.upstream, route, data, method, request_id, *extra)
-            except NotConnected:
-                # Never connected, so vLLM never saw the request: safe to try another upstream.
-                tried.append(pin.upstream)
-                if len(tried) == len(self.upstreams):
-                    raise NoUpstream(
-                        f"no upstream is reachable: {', '.join(u.url for u in tried)} all refused the connection"
-                    ) from None
-                continue
-            return Sent(pin.upstream, reply, pin.cookie)
+                reply = await self._attempt(upstream, route, data, method, request_id, *extra)
+            except UpstreamError as exc:
+                kind = failure_kind(exc.__cause__)
+                if kind is None:
+                    upstream.breaker.abandon()
+                    raise
+                if kind == "stale" and not resent_stale:
+                    # A pooled connection the upstream had closed while idle: it never saw the
+                    # request. Once, straight to the same upstream, on another connection.
+                    resent_stale = True
+                    attempt -= 1
+                    self.retries[kind] += 1
+                    continue
+                error: GymproxyError = exc
+            except BaseException:
+                upstream.breaker.abandon()
+                raise
+            else:
+                sent = Sent(upstream, reply, pin)
+                try:
+                    kind = await busy_kind(reply)
+                except BaseException:
+                    sent.close()
+                    upstream.breaker.abandon()
+                    raise
+                if kind is None:
+                    upstream.breaker.succeeded()
+                    return sent
+                error = UpstreamStatus(reply.status, f"upstream {upstream.url} answered {reply.status} ({kind})")
+            if not single:
+                upstream.breaker.failed()
+            failed.append(upstream)
+            if upstream not in tried:
+                tried.append(upstream)
+            connection = sent is None
+            done = single or attempt >= budget.attempts
+            if len(tried) >= len(self.upstreams):
+                if connection:
+                    done = True  # every upstream failed to take it: nothing left to try
+                else:
+                    tried.clear()  # every one is busy: round again, after the backoff
+            streak = streak + 1 if kind == last_kind else 1
+            last_kind = kind
+            wait = 0.0
+            if streak > 1:  # the same failure again: back off (full jitter)
+                wait = random.uniform(0.0, min(budget.backoff_max_s, budget.backoff_s * 2 ** (streak - 2)))
+            if sent is not None:
+                wait = max(wait, retry_after(reply.headers))
+            if loop.time() + wait > deadline:
+                done = True
+            if done:
+                if sent is not None:
+                    return sent  # vLLM's own 503 (and its Retry-After) goes to the client
+                if not single and failure_kind(error.__cause__) in ("refused", "connect_timeout"):
+                    names = ", ".join(dict.fromkeys(u.url for u in failed))
+                    raise NoUpstream(f"no upstream is reachable: {names} all refused the connection") from error
+                raise error
+            if sent is not None:
+                await sent.reply.read()  # buffered: the connection goes back to the pool
+                sent.release()
+            self.retries[kind] += 1
+            reason = "down" if connection else "busy"
+            if wait > 0:
+                await asyncio.sleep(wait)
 
     async def call(
         self, upstream: Upstream, route: str, data: bytes, *, request_id: str | None = None
@@ -345,7 +441,16 @@ class Fleet:
                 )
 
     def states(self) -> list[dict[str, Any]]:
-        return [{"name": u.name, "url": u.url, "healthy": u.healthy, "inflight": u.inflight} for u in self.upstreams]
+        return [
+            {
+                "name": u.name,
+                "url": u.url,
+                "healthy": u.healthy,
+                "inflight": u.inflight,
+                "breaker": BREAKER[u.breaker.state],
+            }
+            for u in self.upstreams
+        ]
 
     def gauges(self) -> Iterable[Gauge]:
         yield (
@@ -375,11 +480,82 @@ class Fleet:
             lambda: [("", self.pinner.created)],
         )
         yield (
+            "gymproxy_upstream_breaker",
+            "gauge",
+            "Circuit breaker state, by upstream: 0 closed, 1 open, 2 half-open (its probe is out).",
+            lambda: [(label(upstream=u.name), u.breaker.state) for u in self.upstreams],
+        )
+        yield (
+            "gymproxy_upstream_breaker_opened_total",
+            "counter",
+            "Times the upstream's circuit breaker opened.",
+            lambda: [(label(upstream=u.name), u.breaker.opened) for u in self.upstreams],
+        )
+        yield (
+            "gymproxy_retries_total",
+            "counter",
+            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused).",
+            lambda: [(label(reason=reason), n) for reason, n in sorted(self.retries.items())],
+        )
+        yield (
+            "gymproxy_pin_moves_total",
+            "counter",
+            "Sessions moved off their upstream, by reason (down, breaker, busy, overloaded, removed).",
+            lambda: [(label(reason=reason), n) for reason, n in self.pinner.moves.items()],
+        )
+        yield (
             "gymproxy_pins_repinned_total",
             "counter",
             "Pins replaced (invalid cookie or dead upstream).",
             lambda: [("", self.pinner.repinned)],
         )
+
+
+def failure_kind(exc: BaseException | None) -> str | None:
+    """Why a request failed before any upstream began it (a retry is safe), or None."""
+    if isinstance(exc, NoReply):
+        return "stale" if exc.reused else "reset" if exc.reset else "closed"
+    if isinstance(exc, ConnectTimeout):
+        return "connect_timeout"
+    if isinstance(exc, CannotConnect):
+        return "refused"
+    return None
+
+
+BUSY = b"Please try again later or on a different instance"  # vLLM's admission 503s end so
+
+
+async def busy_kind(reply: Reply) -> str | None:
+    """`busy` for vLLM's admission 503, `paused` for its paused-for-a-weight-update 503, else None.
+
+    The body of a 503 is read and kept, so the caller still reads it when the reply is handed on."""
+    if reply.status != 503:
+        return None
+    try:
+        body = await reply.buffer()
+    except (ClientError, asyncio.TimeoutError):
+        return None  # the reply broke: its reader sees that, and nothing is re-sent
+    if BUSY in body:
+        return "busy"
+    if b"paused" in body.lower():
+        return "paused"
+    return None
+
+
+def retry_after(headers: Mapping[str, str]) -> float:
+    """`Retry-After` in seconds (a number or an HTTP date); 0 when absent or unreadable."""
+    value = headers.get("retry-after")
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return max(0.0, when.timestamp() - time.time())
 
 
 async def read(reply: Reply) -> bytes:

@@ -57,6 +57,17 @@ class BadReply(ClientError):
     """The connection closed early, or the upstream's bytes are not HTTP/1.1 we can read."""
 
 
+class NoReply(BadReply):
+    """The connection closed (or was reset) before one byte of a reply came: vLLM, which aborts a
+    request whose connection closes, is running nothing for it. `reused` when the connection came
+    from the pool (it may have closed while idle, before our request reached it)."""
+
+    def __init__(self, message: str, *, reset: bool, reused: bool) -> None:
+        super().__init__(message)
+        self.reset = reset
+        self.reused = reused
+
+
 class Aborted(ClientError):
     """The reply's owner gave up on it (`Reply.abort`); the message is the owner's reason."""
 
@@ -77,6 +88,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
+        self.uses = 0  # requests sent on it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
@@ -155,6 +167,8 @@ class Reply:
         "_head_size",
         "_stall",
         "_progress",
+        "_started",
+        "_reused",
     )
 
     def __init__(self, client: Client, conn: _Connection, url: URL) -> None:
@@ -177,6 +191,8 @@ class Reply:
         self._head_size = 0
         self._stall = 0  # bytes fed since the parser last made progress
         self._progress = False
+        self._started = False  # a byte of the reply arrived
+        self._reused = conn.uses > 1
 
     @property
     def content_type(self) -> str:
@@ -245,6 +261,7 @@ class Reply:
     # --- fed by the connection -----------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        self._started = True
         if self._error is not None:
             return
         if self._complete:
@@ -295,7 +312,17 @@ class Reply:
             self._wake()
             return
         why = f": {exc}" if exc else ""
-        if self._head_done:
+        if not self._started:
+            how = "reset" if exc else "closed"
+            pooled = " (a pooled keep-alive connection)" if self._reused else ""
+            self._fail(
+                NoReply(
+                    f"the upstream {how} the connection{pooled} before replying{why}",
+                    reset=bool(exc),
+                    reused=self._reused,
+                )
+            )
+        elif self._head_done:
             self._fail(BadReply(f"the upstream closed the connection before the end of its reply{why}"))
         else:
             self._fail(BadReply(f"the upstream closed the connection{why}"))
@@ -353,6 +380,15 @@ class Reply:
         body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         self._size = 0
+        return body
+
+    async def buffer(self) -> bytes:
+        """The whole body, kept: a later `read` or `iter_any` returns it again (to look at an error
+        reply and still hand it on)."""
+        body = await self.read()
+        if body:
+            self._pieces.append(body)
+            self._size = len(body)
         return body
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -454,6 +490,7 @@ class Client:
                 self._slots.release()
             raise
         self.in_use += 1
+        conn.uses += 1
         reply = Reply(self, conn, url)
         conn.reply = reply
         self._replies.add(reply)

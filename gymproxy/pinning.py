@@ -21,6 +21,7 @@ import math
 import random
 import struct
 import time
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from .errors import NoUpstream
@@ -101,9 +102,13 @@ class Candidate(Protocol):
     def healthy(self) -> bool: ...
     @property
     def inflight(self) -> int: ...
+    @property
+    def blocked(self) -> bool: ...  # its circuit breaker is open
 
 
 U = TypeVar("U", bound=Candidate)
+
+MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "removed")
 
 
 class Pin(Generic[U]):
@@ -134,47 +139,174 @@ def cookie_header(name: str, value: str, max_age: float) -> str:
 
 
 class Pinner(Generic[U]):
-    """Chooses the upstream for each request; see the module docstring for the order of keys."""
+    """Chooses the upstream for each request; see the module docstring for the order of keys.
 
-    def __init__(self, upstreams: list[U], signer: Signer, *, placement: str) -> None:
-        self.upstreams = upstreams
-        self.by_name = {u.name: u for u in upstreams}
+    Placement is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam): a new
+    keyed session takes the first upstream in its rendezvous order whose in-flight count, this
+    request included, is at most `max(share * (1 + epsilon), share + slack)`, where `share` is the
+    upstream's weight share of everything in flight over the eligible upstreams. A session stays
+    where it is unless its upstream is down, its breaker open, it answered "busy", or it is over
+    `bound * (1 + hysteresis)`; then it moves to its next choice. Cookie-less keyed sessions that
+    moved are remembered in a size-capped, expiring map (`moved`), per process.
+    """
+
+    def __init__(
+        self,
+        upstreams: list[U],
+        signer: Signer,
+        *,
+        placement: str,
+        epsilon: float = 0.25,
+        slack: float = 10.0,
+        hysteresis: float = 0.5,
+        moved_max: int = 65536,
+        moved_ttl: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.signer = signer
         self.placement = placement
+        self.epsilon = epsilon
+        self.slack = slack
+        self.hysteresis = hysteresis
+        self.moved_max = moved_max
+        self.moved_ttl = moved_ttl
+        self._clock = clock
         self._next = 0
         self.created = 0
         self.repinned = 0
+        self.moves = dict.fromkeys(MOVE_REASONS, 0)  # sessions moved off their upstream, by reason
+        self.moved: dict[str, tuple[str, float]] = {}  # cookie-less key -> (upstream name, expiry): LRU order
         self._warned = False
+        self.upstreams: list[U] = []
+        self.by_name: dict[str, U] = {}
+        self._weights = 1.0
+        self.set_upstreams(upstreams)
 
-    def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[U, ...] = ()) -> Pin[U]:
-        """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin.
+    def set_upstreams(self, upstreams: list[U]) -> None:
+        """Route over `upstreams` from now on (the fleet changed); moved keys naming others are ignored."""
+        self.upstreams = list(upstreams)
+        self.by_name = {u.name: u for u in self.upstreams}
+        self._weights = sum(u.weight for u in self.upstreams) or 1.0
 
-        Health marks are guesses: when none is marked healthy, every upstream not yet tried is a
-        candidate, so a recovered server is used at once rather than after the next health check.
+    def pick(
+        self,
+        cookie: str | None,
+        session_key: str | None = None,
+        *,
+        exclude: tuple[U, ...] = (),
+        reason: str = "down",
+    ) -> Pin[U]:
+        """The session's upstream while it is fine; else its next choice, with the new pin to set.
+
+        `exclude` are upstreams this request already failed on (`reason` says why: `down` or
+        `busy`). Health marks are guesses: when none is marked healthy, every upstream not yet
+        tried is a candidate, so a recovered server is used at once rather than after the next check.
         """
-        any_healthy = any(u.healthy for u in self.upstreams)
-        if cookie and not exclude:
+        home: U | None = None
+        why: str | None = None
+        if cookie:
             name = self.signer.unsign(cookie)
-            upstream = self.by_name.get(name) if name is not None else None
-            if upstream is not None and (upstream.healthy or not any_healthy):
-                return Pin(upstream, None)
-            if upstream is None and not self._warned:
+            if name is not None:
+                home = self.by_name.get(name)
+                if home is None:
+                    why = "removed"
+            elif not self._warned:
                 self._warned = True  # log once: a forged or stale cookie is the client's business
                 log.info("ignoring an invalid, stale or unknown pin cookie; re-pinning (logged once)")
+        keyed_only = home is None and why is None and bool(session_key)
+        if keyed_only:
+            assert session_key is not None
+            home = self._remembered(session_key)
+            if home is None:
+                home = max(self.upstreams, key=lambda u: _score(session_key, u))
+        if home is not None:
+            why = reason if home in exclude else self._trouble(home)
+            if why is None:
+                if keyed_only:
+                    return Pin(home, self.signer.sign(home.name))
+                return Pin(home, None)  # the common case: a valid pin on a fine upstream
+        leaving = (*exclude, home) if home is not None else exclude
+        candidates = self._eligible(leaving)
+        if not candidates:
+            if home is not None and why == "overloaded":
+                return Pin(home, None if cookie and not keyed_only else self.signer.sign(home.name))
+            raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
+        order_key = session_key or cookie
+        upstream = self._bounded(order_key, candidates) if order_key else self._place(candidates)
+        if why is not None:
+            self.moves[why] += 1
+            log.debug("session moved from %s to %s (%s)", home.name if home else "?", upstream.name, why)
         if cookie or exclude:
             self.repinned += 1
         else:
             self.created += 1
-        candidates = [u for u in self.upstreams if u.healthy and u not in exclude]
-        if not candidates:
-            candidates = [u for u in self.upstreams if u not in exclude]
-        if not candidates:
-            raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
-        if session_key:
-            upstream = max(candidates, key=lambda u: _score(session_key, u))
-        else:
-            upstream = self._place(candidates)
+        if keyed_only:
+            assert session_key is not None
+            self._remember(session_key, upstream)
         return Pin(upstream, self.signer.sign(upstream.name))
+
+    def _trouble(self, upstream: U) -> str | None:
+        """Why a session should leave `upstream` now, or None while it is fine. O(1) unless it looks overloaded."""
+        if not upstream.healthy and any(u.healthy for u in self.upstreams):
+            return "down"
+        if upstream.blocked:
+            return "breaker"
+        # Cheap first: the bound over the whole fleet. Only if that looks exceeded, the exact one.
+        load = upstream.inflight + 1
+        margin = 1.0 + self.hysteresis
+        if load <= self.slack * margin:
+            return None  # under the bound's floor, whatever the average
+        if load <= self._bound(upstream, sum(u.inflight for u in self.upstreams) + 1, self._weights) * margin:
+            return None
+        eligible = self._eligible(())
+        if upstream not in eligible:
+            return None
+        total = sum(u.inflight for u in eligible) + 1
+        weights = sum(u.weight for u in eligible)
+        return "overloaded" if load > self._bound(upstream, total, weights) * margin else None
+
+    def _bound(self, upstream: U, total: int, weights: float) -> float:
+        share = total * upstream.weight / weights
+        return max(share * (1.0 + self.epsilon), share + self.slack)
+
+    def _eligible(self, exclude: tuple[U, ...]) -> list[U]:
+        candidates = [u for u in self.upstreams if u.healthy and not u.blocked and u not in exclude]
+        if not candidates:  # health marks are guesses; an open breaker is not
+            candidates = [u for u in self.upstreams if not u.blocked and u not in exclude]
+        return candidates
+
+    def _bounded(self, key: str, candidates: list[U]) -> U:
+        """The first of `candidates` in `key`'s rendezvous order that is under its load bound."""
+        if len(candidates) == 1:
+            return candidates[0]
+        total = sum(u.inflight for u in candidates) + 1
+        weights = sum(u.weight for u in candidates)
+        order = sorted(candidates, key=lambda u: _score(key, u), reverse=True)
+        for upstream in order:
+            if upstream.inflight + 1 <= self._bound(upstream, total, weights):
+                return upstream
+        return min(order, key=lambda u: (u.inflight + 1) / u.weight)  # unreachable while shares sum to total
+
+    def _remembered(self, key: str) -> U | None:
+        """Where a cookie-less keyed session moved to, while that is fresh and still in the fleet."""
+        entry = self.moved.pop(key, None)
+        if entry is None:
+            return None
+        name, expires = entry
+        upstream = self.by_name.get(name)
+        now = self._clock()
+        if upstream is None or now > expires:
+            return None
+        self.moved[key] = (name, now + self.moved_ttl)  # used: fresh again, and last in LRU order
+        return upstream
+
+    def _remember(self, key: str, upstream: U) -> None:
+        self.moved.pop(key, None)
+        if upstream is max(self.upstreams, key=lambda u: _score(key, u)):
+            return  # back at its first choice: nothing to remember
+        while len(self.moved) >= self.moved_max:
+            del self.moved[next(iter(self.moved))]  # the least recently used
+        self.moved[key] = (upstream.name, self._clock() + self.moved_ttl)
 
     def _place(self, healthy: list[U]) -> U:
         if len(healthy) == 1:

@@ -398,6 +398,7 @@ def _landing(key: str) -> str:
     class Named:
         def __init__(self, name: str) -> None:
             self.name, self.url, self.weight, self.healthy, self.inflight = name, name, 1.0, True, 0
+            self.blocked = False
 
     pinner = Pinner([Named("a"), Named("b")], Signer(b"s", 3600), placement="least_outstanding")
     return pinner.pick(None, key).upstream.name
