@@ -252,7 +252,7 @@ class Fleet:
             attempt += 1
             sent: Sent | None = None
             try:
-                reply = await self._attempt(upstream, route, data, method, request_id, *extra)
+                reply = await self._attempt(upstream, route, data, method, request_id, *extra, fresh=resent_stale)
             except UpstreamError as exc:
                 kind = failure_kind(exc.__cause__)
                 if kind is None:
@@ -260,7 +260,7 @@ class Fleet:
                     raise
                 if kind == "stale" and not resent_stale:
                     # A pooled connection the upstream had closed while idle: it never saw the
-                    # request. Once, straight to the same upstream, on another connection.
+                    # request. Once, straight to the same upstream, on a new connection.
                     resent_stale = True
                     attempt -= 1
                     self.retries[kind] += 1
@@ -340,6 +340,8 @@ class Fleet:
         request_id: str | None,
         query: str | None = None,
         extra: Mapping[str, str] | None = None,
+        *,
+        fresh: bool = False,
     ) -> Reply:
         """One request holding an in-flight slot of `upstream` (given back if it fails); failures
         are counted and mapped to 502/504 naming the URL."""
@@ -354,7 +356,7 @@ class Fleet:
             headers = {**headers, "X-Request-Id": request_id}
         await upstream.acquire()
         try:
-            reply = await self.client.request(method, url, headers, data)
+            reply = await self.client.request(method, url, headers, data, fresh=fresh)
         except BaseException as exc:
             upstream.release()
             if not isinstance(exc, (ClientError, asyncio.TimeoutError)):
@@ -514,7 +516,11 @@ class Fleet:
 def failure_kind(exc: BaseException | None) -> str | None:
     """Why a request failed before any upstream began it (a retry is safe), or None."""
     if isinstance(exc, NoReply):
-        return "stale" if exc.reused else "reset" if exc.reset else "closed"
+        # A pooled connection closed (a FIN, no reply): the upstream's idle close crossed our request
+        # on the wire. A reset, or any close of a fresh connection, came after vLLM had the request.
+        if exc.reset:
+            return "reset"
+        return "stale" if exc.reused else "closed"
     if isinstance(exc, ConnectTimeout):
         return "connect_timeout"
     if isinstance(exc, CannotConnect):

@@ -472,8 +472,11 @@ class Client:
         url: URL,
         headers: Mapping[str, str],
         body: bytes | None = None,
+        *,
+        fresh: bool = False,
     ) -> Reply:
-        """Send one request and read the reply's status line and headers."""
+        """Send one request and read the reply's status line and headers (`fresh`: on a new connection,
+        not one from the pool)."""
         if self._closed:
             raise CannotConnect("the client is closed")
         if self._aborted is not None:
@@ -484,7 +487,7 @@ class Client:
         if self._slots is not None:
             await self._slots.acquire()
         try:
-            conn = await self._connection(url)
+            conn = await self._connection(url, fresh)
         except BaseException:
             if self._slots is not None:
                 self._slots.release()
@@ -506,9 +509,9 @@ class Client:
             raise
         return reply
 
-    async def _connection(self, url: URL) -> _Connection:
+    async def _connection(self, url: URL, fresh: bool = False) -> _Connection:
         key = (url.scheme, url.raw_host or "", url.port or (443 if url.scheme == "https" else 80))
-        idle = self._idle.get(key)
+        idle = None if fresh else self._idle.get(key)
         if idle:
             now = time.monotonic()
             while idle:
