@@ -296,7 +296,7 @@ class Fleet:
             streak = streak + 1 if kind == last_kind else 1
             last_kind = kind
             wait = 0.0
-            if streak > 1:  # the same failure again: back off (full jitter)
+            if streak > 1 and not done:  # the same failure again: back off (full jitter)
                 wait = random.uniform(0.0, min(budget.backoff_max_s, budget.backoff_s * 2 ** (streak - 2)))
             if sent is not None:
                 wait = max(wait, retry_after(reply.headers))

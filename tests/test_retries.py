@@ -1,0 +1,283 @@
+"""Retries over real sockets: what is re-sent to the next upstream, what never is, the budget, the breaker.
+
+Two or three raw upstreams (tests/faults.py) behind one gymproxy. Each test pins the session to the
+first with a cookie, makes that one misbehave, and checks who saw what, and when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from gymproxy.pinning import Signer
+
+from .faults import (
+    CHAT,
+    Conn,
+    RawRequest,
+    RawUpstream,
+    body_for,
+    fixed,
+    good,
+    reset_before_status,
+    reset_mid_body,
+    start_proxy,
+    stream_then,
+)
+
+SECRET = "test-secret"
+SIGNER = Signer(SECRET.encode(), 3600)
+BUSY = "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+PAUSED = "Generation is paused for a weight update; retry shortly"
+
+
+def vllm_error(status: int, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": "Service Unavailable", "param": None, "code": status}})
+
+
+@pytest.fixture
+async def ups():
+    upstreams = [await RawUpstream().start() for _ in range(3)]
+    yield upstreams
+    for upstream in upstreams:
+        await upstream.close()
+
+
+async def proxy(aiohttp_server, ups, **config):
+    config.setdefault("pinning", {"secret": SECRET})
+    config.setdefault("health", {"interval": 60})
+    config.setdefault("retries", {"backoff_s": 0.01, "backoff_max_s": 0.02})
+    return await start_proxy(aiohttp_server, [u.url for u in ups], **config)
+
+
+async def ask(url: str, pin_on: RawUpstream, *, stream: bool = False) -> tuple[int, bytes, str | None]:
+    """One chat request pinned (by cookie) to `pin_on`: status, body, and the new pin if one was set."""
+    headers = {"Cookie": f"gymproxy_pin={SIGNER.sign(pin_on.url)}"}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with session.post(url + CHAT, json=body_for(CHAT, stream=stream), headers=headers) as r:
+            morsel = r.cookies.get("gymproxy_pin")
+            try:
+                body = await r.read()
+            except aiohttp.ClientError:
+                body = b""
+            return r.status, body, morsel.value if morsel is not None else None
+
+
+async def metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        return await r.text()
+
+
+def close_before_replying(conn: Conn, req: RawRequest):
+    async def behave(conn: Conn, req: RawRequest) -> bool:
+        conn.writer.close()  # a FIN on a fresh connection, after the request arrived
+        return False
+
+    return behave(conn, req)
+
+
+# --- re-sent -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        (reset_before_status, "reset"),
+        (fixed(503, vllm_error(503, BUSY)), "busy"),
+        (fixed(503, vllm_error(503, PAUSED)), "paused"),
+    ],
+    ids=["reset", "busy-503", "paused-503"],
+)
+async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp_server, ups, fault, reason):
+    url, _ = await proxy(aiohttp_server, ups)
+    a = ups[0]
+    a.push(fault)
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 1 and sum(u.generations() for u in ups[1:]) == 1
+    assert pin is not None and SIGNER.unsign(pin) != a.url  # the session moved; its cookie says where
+    text = await metrics(url)
+    assert f'gymproxy_retries_total{{reason="{reason}"}} 1' in text
+    moved = "busy" if reason in ("busy", "paused") else "down"
+    assert f'gymproxy_pin_moves_total{{reason="{moved}"}} 1' in text
+
+
+async def test_closed_before_any_byte_pooled_then_fresh(aiohttp_server, ups):
+    """A pooled connection closed with no reply is re-sent once to the same upstream on a new
+    connection (its idle close crossed our request); a new connection closed so goes to the next."""
+    url, _ = await proxy(aiohttp_server, ups)
+    a = ups[0]
+    await ask(url, a)  # leaves a connection to `a` in the pool
+    a.push(close_before_replying, close_before_replying)
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 3 and sum(u.generations() for u in ups[1:]) == 1
+    assert [r.reused for r in a.requests if r.path.endswith("/completions")][1:] == [True, False]
+    text = await metrics(url)
+    assert 'gymproxy_retries_total{reason="stale"} 1' in text
+    assert 'gymproxy_retries_total{reason="closed"} 1' in text
+
+
+async def test_a_refused_connection_goes_to_the_next(aiohttp_server, ups):
+    url, _ = await proxy(aiohttp_server, ups)
+    await ups[0].close()
+    status, body, pin = await ask(url, ups[0])
+    assert status == 200, body
+    assert 'gymproxy_retries_total{reason="refused"} 1' in await metrics(url)
+
+
+async def test_a_retry_starts_only_after_the_first_connection_closed(aiohttp_server, ups):
+    """No generation twice in parallel: the second upstream hears of the request only once the
+    first one's connection is gone (vLLM aborts a request whose connection closes)."""
+    closed_at: list[float] = []
+    arrived_at: list[float] = []
+
+    async def reset_and_note(conn: Conn, req: RawRequest) -> bool:
+        await reset_before_status(conn, req)
+        closed_at.append(time.monotonic())
+        return False
+
+    async def note_and_answer(conn: Conn, req: RawRequest) -> bool:
+        arrived_at.append(time.monotonic())
+        return await good(conn, req)
+
+    url, _ = await proxy(aiohttp_server, ups[:2])
+    ups[0].push(reset_and_note)
+    ups[1].push(note_and_answer)
+    status, body, _ = await ask(url, ups[0])
+    assert status == 200, body
+    assert len(closed_at) == 1 and len(arrived_at) == 1 and arrived_at[0] > closed_at[0]
+
+
+async def test_retry_after_is_honoured(aiohttp_server, ups):
+    async def busy_for_a_while(conn: Conn, req: RawRequest) -> bool:
+        body = vllm_error(503, BUSY)
+        await conn.head(503, length=len(body), Retry_After="0.4")
+        await conn.write(body)
+        return True
+
+    url, _ = await proxy(aiohttp_server, ups[:2])
+    ups[0].push(busy_for_a_while)
+    started = time.monotonic()
+    status, _, _ = await ask(url, ups[0])
+    assert status == 200 and time.monotonic() - started >= 0.4
+
+
+async def test_a_retry_after_past_the_deadline_hands_on_vllms_503(aiohttp_server, ups):
+    async def busy_for_long(conn: Conn, req: RawRequest) -> bool:
+        body = vllm_error(503, BUSY)
+        await conn.head(503, length=len(body), Retry_After="30")
+        await conn.write(body)
+        return True
+
+    url, _ = await proxy(aiohttp_server, ups[:2], retries={"deadline_s": 1.0})
+    ups[0].push(busy_for_long)
+    started = time.monotonic()
+    status, body, _ = await ask(url, ups[0])
+    assert status == 503 and BUSY in body.decode() and time.monotonic() - started < 1.0
+    assert ups[1].generations() == 0
+
+
+# --- never re-sent -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "stream"),
+    [
+        (reset_mid_body, False),  # the status line came: vLLM may have generated it all
+        (stream_then("reset"), True),  # mid-stream: bytes have gone to the client
+        (fixed(400, vllm_error(400, "bad request")), False),
+        (fixed(500, vllm_error(500, "Please try again later or on a different instance")), False),
+        (fixed(503, vllm_error(503, "Service temporarily overloaded")), False),
+    ],
+    ids=["reset-after-status", "reset-mid-stream", "400", "500", "503-other-text"],
+)
+async def test_what_an_upstream_began_is_never_re_sent(aiohttp_server, ups, fault, stream):
+    url, _ = await proxy(aiohttp_server, ups)
+    ups[0].push(fault)
+    status, body, _ = await ask(url, ups[0], stream=stream)
+    assert ups[0].generations() == 1 and sum(u.generations() for u in ups[1:]) == 0
+    if stream:
+        assert status == 200 and b"fine" not in body.split(b"data: [DONE]")[-1]
+    else:
+        assert status != 200
+    assert "gymproxy_retries_total{" not in await metrics(url)
+
+
+# --- the budget ----------------------------------------------------------------------------------
+
+
+async def test_attempts_bound_the_retries_and_vllms_503_is_handed_on(aiohttp_server, ups):
+    url, _ = await proxy(aiohttp_server, ups, retries={"attempts": 2, "backoff_s": 0.01})
+    for upstream in ups:
+        upstream.default = fixed(503, vllm_error(503, BUSY))
+    status, body, _ = await ask(url, ups[0])
+    assert status == 503 and BUSY in body.decode()
+    assert sum(u.generations() for u in ups) == 2
+
+
+async def test_backoff_between_failures_of_one_kind_is_bounded(aiohttp_server, ups, monkeypatch):
+    import gymproxy.fleet
+
+    waits: list[float] = []
+
+    def longest(low: float, high: float) -> float:
+        waits.append(high)
+        return high
+
+    monkeypatch.setattr(gymproxy.fleet.random, "uniform", longest)
+    url, _ = await proxy(aiohttp_server, ups[:2], retries={"attempts": 5, "backoff_s": 0.05, "backoff_max_s": 0.15})
+    for upstream in ups[:2]:
+        upstream.default = fixed(503, vllm_error(503, BUSY))
+    started = time.monotonic()
+    status, _, _ = await ask(url, ups[0])
+    assert status == 503
+    # The first failure over to the next upstream is at once; then 0.05, 0.1, capped at 0.15.
+    assert waits == [0.05, 0.1, 0.15]
+    assert time.monotonic() - started >= 0.3
+    assert sum(u.generations() for u in ups[:2]) == 5  # round again: every upstream was busy
+
+
+async def test_the_deadline_bounds_the_retries(aiohttp_server, ups):
+    url, _ = await proxy(
+        aiohttp_server, ups[:2], retries={"attempts": 50, "deadline_s": 0.5, "backoff_s": 0.2, "backoff_max_s": 0.2}
+    )
+    for upstream in ups[:2]:
+        upstream.default = fixed(503, vllm_error(503, BUSY))
+    started = time.monotonic()
+    status, _, _ = await ask(url, ups[0])
+    assert status == 503 and time.monotonic() - started < 1.5
+    assert sum(u.generations() for u in ups[:2]) < 10
+
+
+# --- the breaker ---------------------------------------------------------------------------------
+
+
+async def test_the_breaker_opens_probes_once_and_closes_or_reopens(aiohttp_server, ups):
+    url, proxy_obj = await proxy(aiohttp_server, ups[:2], breaker={"failures": 2, "cooldown_s": 0.5})
+    a, b = ups[:2]
+    a.push(fixed(503, vllm_error(503, BUSY)), fixed(503, vllm_error(503, BUSY)))
+    for _ in range(2):
+        assert (await ask(url, a))[0] == 200
+    assert a.generations() == 2
+    assert 'gymproxy_upstream_breaker{upstream="' + a.url + '"} 1' in await metrics(url)
+    # Open: a session pinned to `a` goes straight to `b`, and `a` hears nothing.
+    status, _, pin = await ask(url, a)
+    assert status == 200 and a.generations() == 2 and SIGNER.unsign(pin or "") == b.url
+    assert 'gymproxy_pin_moves_total{reason="breaker"} 1' in await metrics(url)
+    # Cooldown over: one probe goes to `a`; it fails, so the breaker re-opens.
+    await asyncio.sleep(0.6)
+    a.push(fixed(503, vllm_error(503, BUSY)))
+    assert (await ask(url, a))[0] == 200
+    assert a.generations() == 3
+    assert (await ask(url, a))[0] == 200 and a.generations() == 3  # open again
+    # Next cooldown: the probe succeeds and the breaker closes.
+    await asyncio.sleep(0.6)
+    status, _, pin = await ask(url, a)
+    assert status == 200 and a.generations() == 4 and pin is None
+    assert 'gymproxy_upstream_breaker{upstream="' + a.url + '"} 0' in await metrics(url)
+    assert 'gymproxy_upstream_breaker_opened_total{upstream="' + a.url + '"} 2' in await metrics(url)
