@@ -4,8 +4,10 @@ The fleet never sees the client's request: callers pass the pin cookie's value, 
 the request id, and get back what was sent where (`Sent`), including the new pin to set. Every
 failure to talk to an upstream becomes an `UpstreamError` (502) or `UpstreamTimeout` (504) whose
 message names the URL that failed (never its credentials), so a wrong `base_url` is obvious at once.
-A request is retried on another upstream only when the connection could not be opened, so the
-request never reached vLLM and no generation is ever run twice.
+A request is re-sent to the session's next upstream only when no upstream began it: the connection
+was refused, closed or reset before one reply byte (vLLM aborts a request whose connection closes),
+or vLLM answered its "busy" or "paused" 503; so no generation ever runs twice at once. Each upstream
+keeps a circuit breaker (`breaker.py`) fed by those same failures.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and the session is pinned afresh. Clients without a cookie jar (agent harnesses 
 and Claude Code never return one) key their session instead: with a session header
 (`pinning.session_headers`), Responses' `prompt_cache_key`, or the body's `user`, in that order.
 Those keys map to an upstream by rendezvous hashing, so adding or removing one upstream moves only
-its own share of sessions.
+its own share of sessions, under a load bound (see `Pinner`) so that no engine runs hot.
 """
 
 from __future__ import annotations
