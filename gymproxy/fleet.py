@@ -40,7 +40,7 @@ from .errors import (
 )
 from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply
 from .metrics import Metrics, label
-from .pinning import Pinner, Signer
+from .pinning import Pinner, Signer, Tally
 
 log = logging.getLogger("gymproxy")
 
@@ -72,11 +72,13 @@ class Upstream:
         "healthy",
         "failed_checks",
         "breaker",
+        "tally",
         "_slots",
         "_reject",
     )
 
-    def __init__(self, spec: UpstreamSpec, config: Config) -> None:
+    def __init__(self, spec: UpstreamSpec, config: Config, tally: Tally | None = None) -> None:
+        """`tally`: the fleet's in-flight total, which this upstream's requests count in too."""
         base = URL(spec.url.rstrip("/"))
         self.url = shown(base)  # what every message, log line, metric and /health shows
         self.name = spec.name or self.url
@@ -110,6 +112,7 @@ class Upstream:
             "health": url(root, "health"),
         }
         self.inflight = 0
+        self.tally = tally if tally is not None else Tally()
         self.healthy = True
         self.failed_checks = 0  # consecutive failed health checks
         self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
@@ -124,6 +127,7 @@ class Upstream:
                 raise Saturated(f"upstream {self.url} has {self.inflight} requests in flight, its configured cap")
             await self._slots.acquire()
         self.inflight += 1
+        self.tally.inflight += 1
 
     @property
     def blocked(self) -> bool:
@@ -132,6 +136,7 @@ class Upstream:
 
     def release(self) -> None:
         self.inflight -= 1
+        self.tally.inflight -= 1
         if self._slots is not None:
             self._slots.release()
 
@@ -176,7 +181,8 @@ class Fleet:
     def __init__(self, config: Config, metrics: Metrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.upstreams = [Upstream(spec, config) for spec in upstream_specs(config)]
+        self.tally = Tally()  # requests in flight over every upstream (pass it to a new Upstream)
+        self.upstreams = [Upstream(spec, config, self.tally) for spec in upstream_specs(config)]
         pinning = config.pinning
         secret = pinning.secret
         if secret is None:
@@ -197,6 +203,7 @@ class Fleet:
             hysteresis=bound.hysteresis,
             moved_max=pinning.moved_keys,
             moved_ttl=pinning.moved_ttl_s,
+            tally=self.tally,
         )
         self.retries: defaultdict[str, int] = defaultdict(int)  # re-sends, by reason
         self.health_checks: defaultdict[tuple[str, str], int] = defaultdict(int)  # (upstream, result) -> count

@@ -108,6 +108,17 @@ class Candidate(Protocol):
 
 U = TypeVar("U", bound=Candidate)
 
+
+class Tally:
+    """Requests in flight over the whole fleet, kept up by the upstreams themselves, so a pinned
+    request's load check is O(1) however many upstreams there are."""
+
+    __slots__ = ("inflight",)
+
+    def __init__(self) -> None:
+        self.inflight = 0
+
+
 MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "removed")
 
 
@@ -162,7 +173,9 @@ class Pinner(Generic[U]):
         moved_max: int = 65536,
         moved_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
+        tally: Tally | None = None,
     ) -> None:
+        """`tally`: the fleet's in-flight total, if its upstreams keep one (else it is summed)."""
         self.signer = signer
         self.placement = placement
         self.epsilon = epsilon
@@ -171,6 +184,7 @@ class Pinner(Generic[U]):
         self.moved_max = moved_max
         self.moved_ttl = moved_ttl
         self._clock = clock
+        self._tally = tally
         self._next = 0
         self.created = 0
         self.repinned = 0
@@ -256,7 +270,9 @@ class Pinner(Generic[U]):
         margin = 1.0 + self.hysteresis
         if load <= self.slack * margin:
             return None  # under the bound's floor, whatever the average
-        if load <= self._bound(upstream, sum(u.inflight for u in self.upstreams) + 1, self._weights) * margin:
+        tally = self._tally
+        total = tally.inflight if tally is not None else sum(u.inflight for u in self.upstreams)
+        if load <= self._bound(upstream, total + 1, self._weights) * margin:
             return None
         eligible = self._eligible(())
         if upstream not in eligible:

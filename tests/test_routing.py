@@ -259,3 +259,52 @@ def test_breaker_opens_after_n_failures_probes_once_then_closes_or_reopens():
     breaker.admit()
     breaker.succeeded()
     assert breaker.state == CLOSED and not breaker.blocked and breaker.streak == 0
+
+
+class Counting(list):
+    """A list of upstreams that counts how often it is walked."""
+
+    walks = 0
+
+    def __iter__(self):
+        Counting.walks += 1
+        return super().__iter__()
+
+
+def test_a_pin_on_a_fine_upstream_never_walks_the_fleet():
+    """The hot path: with the fleet's tally, checking a valid pin is O(1) at any load."""
+    from gymproxy.pinning import Tally
+
+    ups = [Up(f"u{i}") for i in range(16)]
+    tally = Tally()
+    pinner = Pinner(ups, SIGNER, placement="least_outstanding", tally=tally)
+    pinner.upstreams = Counting(pinner.upstreams)
+    for u in ups:
+        u.inflight = 500
+    tally.inflight = 500 * 16
+    cookie = SIGNER.sign("u3")
+    Counting.walks = 0
+    for _ in range(100):
+        assert pinner.pick(cookie).cookie is None
+    assert Counting.walks == 0
+    ups[3].inflight = 2000  # looks overloaded: now (and only now) the exact check walks the fleet
+    tally.inflight += 1500
+    assert pinner.pick(cookie).cookie is not None and Counting.walks > 0
+
+
+async def test_the_fleet_tally_follows_every_upstream():
+    from gymproxy import build_config
+    from gymproxy.fleet import Fleet
+    from gymproxy.metrics import Metrics
+
+    config = build_config({"base_url": ["http://a:1/v1", "http://b:1/v1"]}, environ={})
+    fleet = Fleet(config, Metrics())
+    a, b = fleet.upstreams
+    assert a.tally is fleet.tally and b.tally is fleet.tally
+    await a.acquire()
+    await b.acquire()
+    await b.acquire()
+    assert fleet.tally.inflight == 3
+    a.release()
+    b.release()
+    assert fleet.tally.inflight == 1 == a.inflight + b.inflight
