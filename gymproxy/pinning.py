@@ -137,14 +137,18 @@ class Pinner(Generic[U]):
     """Chooses the upstream for each request; see the module docstring for the order of keys."""
 
     def __init__(self, upstreams: list[U], signer: Signer, *, placement: str) -> None:
-        self.upstreams = upstreams
-        self.by_name = {u.name: u for u in upstreams}
+        self.set_upstreams(upstreams)
         self.signer = signer
         self.placement = placement
         self._next = 0
         self.created = 0
         self.repinned = 0
         self._warned = False
+
+    def set_upstreams(self, upstreams: list[U]) -> None:
+        """The upstreams new requests may go to (the fleet changed); pins naming any other re-pin."""
+        self.upstreams = upstreams
+        self.by_name = {u.name: u for u in upstreams}
 
     def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[U, ...] = ()) -> Pin[U]:
         """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin.
@@ -168,6 +172,8 @@ class Pinner(Generic[U]):
         candidates = [u for u in self.upstreams if u.healthy and u not in exclude]
         if not candidates:
             candidates = [u for u in self.upstreams if u not in exclude]
+        if not self.upstreams:
+            raise NoUpstream("no upstream is configured: the fleet is empty")
         if not candidates:
             raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
         if session_key:
