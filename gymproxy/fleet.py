@@ -242,7 +242,9 @@ class Fleet:
                 log.info("upstream %s changed in place (url, key or weight)", upstream.url)
             if name in drained:
                 if name not in before:
-                    log.info("upstream %s draining: %d requests in flight finish there", upstream.url, upstream.inflight)
+                    log.info(
+                        "upstream %s draining: %d requests in flight finish there", upstream.url, upstream.inflight
+                    )
                 self.drained[name] = upstream
             else:
                 active.append(upstream)
