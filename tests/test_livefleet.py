@@ -93,7 +93,9 @@ async def test_a_new_upstream_that_is_not_healthy_takes_no_sessions(aiohttp_serv
 
 
 async def test_weight_and_key_change_in_place_and_keep_their_pins(aiohttp_server, fleet):
-    url, proxy = await serve(aiohttp_server, upstreams=[{"name": "a", "url": fleet[0].url}, {"name": "b", "url": fleet[1].url}])
+    url, proxy = await serve(
+        aiohttp_server, upstreams=[{"name": "a", "url": fleet[0].url}, {"name": "b", "url": fleet[1].url}]
+    )
     before = proxy.fleet.upstreams[0]
     change = proxy.fleet.update([spec(fleet[0], "a", weight=3, api_key="k2"), spec(fleet[1], "b")])
     assert change.changed == ["a"] and not change.added and not change.removed
@@ -146,7 +148,9 @@ async def test_drain_lets_a_stream_in_flight_finish(aiohttp_server, fleet):
 async def test_reload_applies_the_upstreams_and_names_what_needs_a_restart(aiohttp_server, fleet, caplog):
     _, proxy = await serve(aiohttp_server, base_url=[fleet[0].url])
     caplog.set_level(logging.INFO, "gymproxy")
-    new = build_config({"base_url": [fleet[0].url, fleet[1].url], "stream_keepalive_s": 3, "pinning": {"secret": SECRET}})
+    new = build_config(
+        {"base_url": [fleet[0].url, fleet[1].url], "stream_keepalive_s": 3, "pinning": {"secret": SECRET}}
+    )
     assert proxy.reload(new) == ["stream_keepalive_s"]
     assert "stream_keepalive_s changed and needs a restart" in caplog.text
     assert list(states(proxy)) == [fleet[0].url, fleet[1].url]
@@ -271,8 +275,103 @@ def test_dns_target_forms():
     assert dns_target("https://vllm.ns.svc:443/v2") == DnsTarget("https", "vllm.ns.svc", 443, "/v2")
     from gymproxy.discovery import to_specs
 
-    assert [s.url for s in to_specs(dns_target("v:1"), ["::1", "10.0.0.1"])] == ["http://[::1]:1/v1", "http://10.0.0.1:1/v1"]
+    assert [s.url for s in to_specs(dns_target("v:1"), ["::1", "10.0.0.1"])] == [
+        "http://[::1]:1/v1",
+        "http://10.0.0.1:1/v1",
+    ]
     for bad in ("vllm", "ftp://vllm:1", "http://vllm/v1", "vllm:99999"):
         with pytest.raises(ConfigError, match="upstreams_dns"):
             build_config({"upstreams_dns": bad}, environ={})
     assert COOKIE
+
+
+# --- on the real command: SIGHUP, and workers ---------------------------------------------------------
+
+
+async def _keep_asking(url: str, statuses: list[int], stop: asyncio.Event) -> None:
+    """One session after another, each asking twice (the second time with its pin), until `stop`."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        while not stop.is_set():
+            first = await ask(session, url)
+            statuses.append(first.status)
+            statuses.append((await ask(session, url, pin_of(first))).status)
+
+
+async def test_sighup_adds_and_removes_upstreams_with_no_failed_request(fleet, tmp_path):
+    import signal
+
+    import yaml
+
+    from .served import Served
+
+    config: dict[str, Any] = {"base_url": [fleet[0].url, fleet[1].url], "pinning": {"secret": SECRET}}
+    async with Served(tmp_path, config) as served:
+        statuses: list[int] = []
+        stop = asyncio.Event()
+        askers = [asyncio.ensure_future(_keep_asking(served.url, statuses, stop)) for _ in range(4)]
+        await until(lambda: len(statuses) > 20)
+        served.config_path.write_text(yaml.safe_dump({**config, "base_url": [fleet[1].url, fleet[2].url]}))
+        assert served.process is not None
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: "fleet reloaded" in served.log)
+        before = generations(fleet[0])
+        await until(lambda: generations(fleet[2]) > 5)  # the new one takes sessions
+        await asyncio.sleep(0.3)
+        assert generations(fleet[0]) == before  # the removed one takes none
+        # An invalid file changes nothing: the fleet keeps serving.
+        served.config_path.write_text("base_url: [http://x/v1]\nno_such_key: 1\n")
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: "the new config is not used" in served.log)
+        count = len(statuses)
+        await until(lambda: len(statuses) > count + 20)
+        stop.set()
+        await asyncio.gather(*askers)
+        async with aiohttp.ClientSession() as session, session.get(served.url + "/admin/upstreams") as r:
+            assert [u["name"] for u in (await r.json())["upstreams"]] == [fleet[1].url, fleet[2].url]
+        assert served.process.poll() is None  # no restart
+    assert set(statuses) == {200}, sorted(set(statuses))
+    assert "no_such_key" in served.log
+
+
+async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, tmp_path):
+    import signal
+
+    import yaml
+
+    from .served import Served
+
+    config: dict[str, Any] = {
+        "base_url": [fleet[0].url],
+        "pinning": {"secret": SECRET},
+        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
+    }
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def names_seen() -> list[list[str]]:
+        """What each of 12 new connections (spread over the workers by the kernel) lists."""
+        seen = []
+        for _ in range(12):
+            async with aiohttp.ClientSession() as fresh, fresh.get(served.url + "/admin/upstreams", headers=auth) as r:
+                seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
+        return seen
+
+    async with Served(tmp_path, config, "--workers", "2") as served:
+        await until(lambda: served.log.count(" listening on http://") == 2, 20)
+        async with aiohttp.ClientSession() as session:
+            body = {"url": fleet[1].url, "name": "added"}
+            async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
+                assert r.status == 201
+        await until(lambda: served.log.count(" added: ") == 2)  # once in each worker
+        assert await names_seen() == [sorted([fleet[0].url, "added"])] * 12
+        async with aiohttp.ClientSession() as session:
+            async with session.delete(served.url + f"/admin/upstreams/{fleet[0].url}", headers=auth) as r:
+                assert r.status == 200
+        await until(lambda: served.log.count(" drained and forgotten") == 2)
+        assert await names_seen() == [["added"]] * 12
+        # A SIGHUP to the parent reaches every worker; the admin changes stay on top of the file.
+        served.config_path.write_text(yaml.safe_dump({**config, "base_url": [fleet[0].url, fleet[2].url]}))
+        assert served.process is not None
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: served.log.count("fleet reloaded") >= 4)  # two from the admin changes' SIGHUPs too
+        await until(lambda: served.log.count(f"upstream {fleet[2].url} added") == 2)
+        assert await names_seen() == [sorted(["added", fleet[2].url])] * 12
