@@ -61,6 +61,12 @@ class Proxy:
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
+        access = self.config.access
+        if access.admin_fleet_changes and not access.api_keys:
+            log.warning(
+                "access.admin_fleet_changes is on and no access.api_keys are set: anyone who reaches "
+                "gymproxy can change its upstreams"
+            )
         self.overlay.load()
         if self.config.upstreams_dns is not None:
             try:
