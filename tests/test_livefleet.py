@@ -19,7 +19,7 @@ from gymproxy.plugin import PROXIES
 from gymproxy.proxy import Proxy
 from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
-from .test_fleet import COOKIE, SECRET, ask, generations, pin_of
+from .test_fleet import SECRET, ask, generations, pin_of
 
 KEY = "admin-key"
 
@@ -215,8 +215,6 @@ async def test_admin_routes_need_the_key_and_add_drain_remove(aiohttp_server, fl
 
 async def test_admin_changes_survive_a_reload(aiohttp_server, fleet):
     _, proxy = await serve(aiohttp_server, base_url=[fleet[0].url, fleet[1].url], access={"admin_fleet_changes": True})
-    url = f"http://127.0.0.1:{proxy.config.port}"
-    del url
     from gymproxy import overlay
 
     proxy.change(lambda c: overlay.add(c, "x", spec(fleet[2], "x")))
@@ -282,7 +280,6 @@ def test_dns_target_forms():
     for bad in ("vllm", "ftp://vllm:1", "http://vllm/v1", "vllm:99999"):
         with pytest.raises(ConfigError, match="upstreams_dns"):
             build_config({"upstreams_dns": bad}, environ={})
-    assert COOKIE
 
 
 # --- on the real command: SIGHUP, and workers ---------------------------------------------------------
