@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -46,29 +50,54 @@ def main(argv: Sequence[str] | None = None) -> None:
     workers = args.workers or config.num_workers or 1
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
+    reload = Loader(args.config, dict(_pair(item) for item in args.set), args.server, args._extra)
     if workers == 1:
-        server.run(config, fake_port=fake_port)
+        server.run(config, fake_port=fake_port, reload=reload)
     else:
-        serve_workers(config, workers, fake_port=fake_port)
+        serve_workers(config, workers, fake_port=fake_port, reload=reload)
 
 
-def serve_workers(config: Config, workers: int, *, fake_port: int | None = None) -> None:
+class Loader:
+    """Reads the config again as `serve` first read it (same file, `--set` pairs and flags), for SIGHUP."""
+
+    def __init__(self, path: str | None, overrides: dict[str, str], server: str | None, extra: dict[str, Any]) -> None:
+        self.path, self.overrides, self.server, self.extra = path, overrides, server, extra
+
+    def __call__(self) -> Config:
+        return load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+
+
+def serve_workers(config: Config, workers: int, *, fake_port: int | None = None, reload: Loader | None = None) -> None:
     """N processes share the port (SO_REUSEPORT); the kernel spreads connections between them.
 
     Pins stay consistent across workers because every worker checks cookies with the same secret:
-    without a configured one, this parent makes one for all of them.
+    without a configured one, this parent makes one for all of them (through the environment, so a
+    config re-read on SIGHUP finds it too). A SIGHUP here is forwarded to every worker; a worker
+    sends one here when an admin route changed the fleet, after writing the change to the overlay
+    file every worker reads (in a private directory that lives as long as this process).
     """
     if config.pinning.secret is None:
-        pinning = msgspec.structs.replace(config.pinning, secret=secrets.token_hex(32))
+        secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
+        pinning = msgspec.structs.replace(config.pinning, secret=secret)
         config = msgspec.structs.replace(config, pinning=pinning)
+    runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))  # mode 0700
+    overlay = runtime / "fleet.json"
     context = multiprocessing.get_context("spawn")
     children = []
     if fake_port is not None:
         children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
-    children += [context.Process(target=_run_worker, args=(config,), daemon=True) for _ in range(workers)]
+    serving = [context.Process(target=_run_worker, args=(config, reload, overlay), daemon=True) for _ in range(workers)]
+    children += serving
     for child in children:
         child.start()
     log.info("gymproxy %s: %d workers on http://%s:%d", __version__, workers, config.host, config.port)
+
+    def forward(signum: int, frame: Any) -> None:
+        for child in serving:
+            if child.is_alive() and child.pid is not None:
+                os.kill(child.pid, signal.SIGHUP)
+
+    signal.signal(signal.SIGHUP, forward)
 
     stopping = False
 
@@ -93,15 +122,18 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
             if child.is_alive():
                 child.kill()
                 child.join()
+    shutil.rmtree(runtime, ignore_errors=True)
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
 
-def _run_worker(config: Config) -> None:
+def _run_worker(config: Config, reload: Loader | None, overlay: Path) -> None:
+    # A SIGHUP before the loop handles it must not end the worker (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    server.run(config, reuse_port=True)
+    server.run(config, reuse_port=True, reload=reload, overlay=overlay)
 
 
 def _run_fake(port: int, model: str) -> None:
@@ -123,6 +155,7 @@ def _load(args: argparse.Namespace) -> Config:
         port = _free_port()
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
+    args._extra = extra
     return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
 
 

@@ -118,6 +118,9 @@ class Access(Settings, frozen=True, kw_only=True):
     api_keys_file: str | None = None  # one key per line, read at startup ("#" starts a comment)
     admin_port: Port | None = None  # serve /health and /metrics only on this port (`gymproxy serve`)
     admin_requires_key: bool = False  # /health and /metrics need a key too
+    # POST/DELETE /admin/upstreams change the fleet live; off, they answer 403. They need a key
+    # whenever `api_keys` are configured, whatever `admin_requires_key` says.
+    admin_fleet_changes: bool = False
 
 
 class Limits(Settings, frozen=True, kw_only=True):
@@ -185,6 +188,11 @@ class Config(Settings, frozen=True, kw_only=True):
 
     # --- gymproxy's own keys ---
     upstreams: list[UpstreamSpec] = []
+    # Discovery: every address this name resolves to is an upstream (`http://host:port/v1`, or
+    # `host:port` for that), re-resolved every `upstreams_dns_interval_s`; a Kubernetes headless
+    # Service that scales is followed.
+    upstreams_dns: str | None = None
+    upstreams_dns_interval_s: Seconds = 10.0
     # A /v1/responses top-level field outside the Responses API's set: a 400 naming it, or dropped
     # (with a warning once per name) for clients that send their own.
     unknown_fields: Literal["reject", "drop"] = "reject"
@@ -313,8 +321,13 @@ def _read_old_session_header(section: dict[str, Any]) -> None:
 
 
 def _check(config: Config) -> None:
-    if not config.base_url and not config.upstreams:
-        raise ConfigError("config: `base_url` (or `upstreams`) needs at least one upstream URL")
+    if not config.base_url and not config.upstreams and config.upstreams_dns is None:
+        raise ConfigError("config: `base_url` (or `upstreams`, or `upstreams_dns`) needs at least one upstream URL")
+    if config.upstreams_dns is not None:
+        try:
+            dns_target(config.upstreams_dns)
+        except ValueError as exc:
+            raise ConfigError(f"config: upstreams_dns: {exc}") from None
     names = [spec.name or spec.url for spec in upstream_specs(config)]
     if len(set(names)) != len(names):
         raise ConfigError(f"config: upstream names must be unique, got {names}")
@@ -346,8 +359,33 @@ def _check(config: Config) -> None:
 
 
 def upstream_specs(config: Config) -> list[UpstreamSpec]:
-    """Every upstream: `base_url` entries first, then `upstreams`."""
+    """Every upstream the file names: `base_url` entries first, then `upstreams` (not `upstreams_dns`'s)."""
     return [UpstreamSpec(url=url) for url in config.base_url] + list(config.upstreams)
+
+
+class DnsTarget(msgspec.Struct, frozen=True):
+    """`upstreams_dns` taken apart: each resolved address becomes `scheme://address:port/path`."""
+
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+
+def dns_target(value: str) -> DnsTarget:
+    """`http://host:port/v1`, or `host:port` (meaning `http://host:port/v1`); ValueError says what is wrong."""
+    if "://" not in value:
+        value = f"http://{value}/v1"
+    scheme, _, rest = value.partition("://")
+    hostport, slash, path = rest.partition("/")
+    host, colon, port = hostport.rpartition(":")
+    if scheme not in ("http", "https"):
+        raise ValueError(f"{value!r} must start with http:// or https://")
+    if not colon or not port.isdigit() or not host or "@" in host:
+        raise ValueError(f"{value!r} needs a host and a port (`host:port` or `http://host:port/v1`)")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r}: port {port} is out of range")
+    return DnsTarget(scheme, host.strip("[]"), int(port), slash + path)
 
 
 def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], str | None]:

@@ -8,6 +8,9 @@ GymproxyError                   500 server_error
 │   ├── PayloadTooLarge         413 invalid_request_error
 │   └── BodyTimeout             408 invalid_request_error   (the body stopped arriving)
 ├── Unauthorized                401 invalid_request_error   (no valid inbound API key)
+├── Forbidden                   403 invalid_request_error   (refused by config: `access.admin_fleet_changes`)
+├── NotFound                    404 invalid_request_error   (no such upstream, on the admin routes)
+├── Conflict                    409 invalid_request_error   (an upstream of that name exists)
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
 │   ├── NotConnected            502 upstream_error          (the connection never opened: safe to retry)
@@ -97,6 +100,30 @@ class Unauthorized(GymproxyError):
     status = 401
     type = "invalid_request_error"
     code = "invalid_api_key"
+
+
+class Forbidden(GymproxyError):
+    """The configuration refuses this request whoever sends it (403)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "forbidden"
+
+
+class NotFound(GymproxyError):
+    """What the request names does not exist (404)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Conflict(GymproxyError):
+    """What the request would create exists already (409)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class UpstreamStatus(GymproxyError):

@@ -20,8 +20,8 @@ import random
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from yarl import URL
 
@@ -47,6 +47,7 @@ log = logging.getLogger("gymproxy")
 JSON_HEADERS = {"Content-Type": "application/json"}
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 PROBE_TIMEOUT = 10.0
+DRAIN_POLL_S = 0.1  # how often a removed upstream's in-flight count is looked at until it is 0
 
 BREAKER = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half-open"}
 Gauge = tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]
@@ -57,11 +58,25 @@ def shown(url: str | URL) -> str:
     return str(URL(str(url)).with_user(None).with_query(None))
 
 
+def upstream_name(spec: UpstreamSpec) -> str:
+    """What pins, metrics and the admin routes call an upstream: its name, else its URL as shown."""
+    return spec.name or shown(URL(spec.url.rstrip("/")))
+
+
+class Change(NamedTuple):
+    """What `Fleet.update` did, by upstream name."""
+
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+
+
 class Upstream:
     """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
 
     __slots__ = (
         "name",
+        "spec",
         "url",
         "weight",
         "headers",
@@ -70,6 +85,7 @@ class Upstream:
         "urls",
         "inflight",
         "healthy",
+        "fresh",
         "failed_checks",
         "breaker",
         "tally",
@@ -79,9 +95,23 @@ class Upstream:
 
     def __init__(self, spec: UpstreamSpec, config: Config, tally: Tally | None = None) -> None:
         """`tally`: the fleet's in-flight total, which this upstream's requests count in too."""
+        self.configure(spec, config)
+        self.name = upstream_name(spec)
+        self.inflight = 0
+        self.tally = tally if tally is not None else Tally()
+        self.healthy = True
+        self.fresh = False  # added live and not yet seen healthy: takes no sessions while others can
+        self.failed_checks = 0  # consecutive failed health checks
+        self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
+        cap = config.limits.max_inflight_per_upstream
+        self._slots = asyncio.Semaphore(cap) if cap else None
+        self._reject = config.limits.when_full == "reject"
+
+    def configure(self, spec: UpstreamSpec, config: Config) -> None:
+        """Take `spec`'s URL, key and weight (at creation, and when a reload changes them in place)."""
+        self.spec = spec
         base = URL(spec.url.rstrip("/"))
         self.url = shown(base)  # what every message, log line, metric and /health shows
-        self.name = spec.name or self.url
         self.weight = spec.weight
         headers = dict(config.default_headers)
         api_key = spec.api_key or config.api_key
@@ -111,14 +141,6 @@ class Upstream:
             "tokenize": url(root, "tokenize"),
             "health": url(root, "health"),
         }
-        self.inflight = 0
-        self.tally = tally if tally is not None else Tally()
-        self.healthy = True
-        self.failed_checks = 0  # consecutive failed health checks
-        self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
-        cap = config.limits.max_inflight_per_upstream
-        self._slots = asyncio.Semaphore(cap) if cap else None
-        self._reject = config.limits.when_full == "reject"
 
     async def acquire(self) -> None:
         """Take an in-flight slot; past `limits.max_inflight_per_upstream`, wait or refuse (503)."""
@@ -207,6 +229,12 @@ class Fleet:
         )
         self.retries: defaultdict[str, int] = defaultdict(int)  # re-sends, by reason
         self.health_checks: defaultdict[tuple[str, str], int] = defaultdict(int)  # (upstream, result) -> count
+        self.drained: dict[str, Upstream] = {}  # drained on request: no new requests, still listed
+        self.leaving: list[Upstream] = []  # removed: forgotten once their requests in flight are done
+        self.added = 0  # upstreams added live
+        self.removed = 0  # upstreams removed live
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._opened = False
 
     def open(self) -> None:
         """Make the upstream client (it needs the running loop)."""
@@ -217,6 +245,78 @@ class Fleet:
             connect_timeout=timeouts.connect,
             read_timeout=timeouts.read,
         )
+        self._opened = True
+
+    def update(self, specs: Sequence[UpstreamSpec], *, drained: Collection[str] = ()) -> Change:
+        """Make the fleet `specs`, matched by name (`upstream_name`); the ones named in `drained` are
+        kept but take no new requests.
+
+        A new upstream takes sessions once its first health check passes (checked at once). A
+        removed or drained one takes no new requests (pins naming it re-pin; a keyed session's
+        rendezvous order skips it) while its requests in flight finish; a removed one is then
+        forgotten. A changed URL, key or weight is applied in place, so its pins stay.
+        """
+        wanted = {upstream_name(spec): spec for spec in specs}
+        known = {u.name: u for u in self.upstreams} | self.drained
+        change = Change([], [], [])
+        active: list[Upstream] = []
+        before, self.drained = self.drained, {}
+        for name, spec in wanted.items():
+            upstream = known.get(name)
+            if upstream is None:
+                upstream = Upstream(spec, self.config, self.tally)
+                upstream.healthy, upstream.fresh = False, True
+                change.added.append(name)
+                log.info("upstream %s added: it takes sessions once its /health answers 200", upstream.url)
+                self._spawn(self._check(upstream))
+            elif upstream.spec != spec:
+                upstream.configure(spec, self.config)
+                change.changed.append(name)
+                log.info("upstream %s changed in place (url, key or weight)", upstream.url)
+            if name in drained:
+                if name not in before:
+                    log.info(
+                        "upstream %s draining: %d requests in flight finish there", upstream.url, upstream.inflight
+                    )
+                self.drained[name] = upstream
+            else:
+                active.append(upstream)
+        for name, upstream in known.items():
+            if name not in wanted:
+                change.removed.append(name)
+                self.leaving.append(upstream)
+                log.info("upstream %s removed: %d requests in flight finish there", upstream.url, upstream.inflight)
+                self._spawn(self._forget(upstream))
+        self.added += len(change.added)
+        self.removed += len(change.removed)
+        self.upstreams = active
+        self.pinner.set_upstreams(active)
+        if not active and (change.removed or self.drained):
+            log.warning("the fleet has no upstream left: requests get 503 until one is added")
+        return change
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        if not self._opened:  # not serving yet: the first round of health checks will look
+            work.close()
+            return
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forget(self, upstream: Upstream) -> None:
+        while upstream.inflight:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if upstream in self.leaving:
+            self.leaving.remove(upstream)
+        others = [u for u in self.known() if u is not upstream]
+        if not any(self.client.same_host(u.urls["health"], upstream.urls["health"]) for u in others):
+            self.client.close_idle(upstream.urls["health"])
+        log.info("upstream %s drained and forgotten", upstream.url)
+
+    def stop(self) -> None:
+        """Cancel the fleet's own tasks (first health checks, drains): the app is closing."""
+        for task in self._tasks:
+            task.cancel()
 
     async def send(
         self,
@@ -375,6 +475,7 @@ class Fleet:
         self._count(upstream, reply.status)
         if not upstream.healthy:
             self.mark(upstream, True)  # it answered: whatever the last check said, it is up
+            upstream.fresh = False
         return reply
 
     def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> GymproxyError:
@@ -393,7 +494,9 @@ class Fleet:
     def mark(self, upstream: Upstream, healthy: bool, why: str = "") -> None:
         if upstream.healthy != healthy:
             upstream.healthy = healthy
-            if healthy:
+            if healthy and upstream.fresh:
+                log.info("upstream %s is healthy: it takes sessions now", upstream.url)
+            elif healthy:
                 log.info("upstream %s is healthy again", upstream.url)
             else:
                 log.warning("upstream %s marked down: %s", upstream.url, why)
@@ -416,6 +519,8 @@ class Fleet:
         upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
         if ok or upstream.failed_checks >= HEALTH_FAILURES:
             self.mark(upstream, ok, why)
+        if ok:
+            upstream.fresh = False
 
     async def _get(self, upstream: Upstream, route: str) -> tuple[int, bytes]:
         """A GET of the fleet's own (health checks, the startup probe): status and body."""
@@ -451,16 +556,35 @@ class Fleet:
                     body[:200].decode(errors="replace"),
                 )
 
+    def known(self) -> list[Upstream]:
+        """Every upstream still held: serving, drained, and removed ones with requests in flight."""
+        return [*self.upstreams, *self.drained.values(), *self.leaving]
+
     def states(self) -> list[dict[str, Any]]:
+        """Every upstream known, serving or on its way out: name, url, state, health, weight, in flight.
+
+        state: `starting` (added, first health check not passed), `healthy`, `down`, `draining`
+        (no new requests), `drained` (draining, none left in flight), `removing` (forgotten once
+        its requests in flight end)."""
+
+        def state(u: Upstream) -> str:
+            if u.name in self.drained and self.drained[u.name] is u:
+                return "draining" if u.inflight else "drained"
+            if u in self.leaving:
+                return "removing"
+            return "starting" if u.fresh else "healthy" if u.healthy else "down"
+
         return [
             {
                 "name": u.name,
                 "url": u.url,
-                "healthy": u.healthy,
+                "state": state(u),
+                "healthy": u.healthy and u in self.upstreams,
+                "weight": u.weight,
                 "inflight": u.inflight,
                 "breaker": BREAKER[u.breaker.state],
             }
-            for u in self.upstreams
+            for u in self.known()
         ]
 
     def gauges(self) -> Iterable[Gauge]:
@@ -468,7 +592,7 @@ class Fleet:
             "gymproxy_upstream_inflight",
             "gauge",
             "Requests in flight, by upstream.",
-            lambda: [(label(upstream=u.name), u.inflight) for u in self.upstreams],
+            lambda: [(label(upstream=u.name), u.inflight) for u in self.known()],
         )
         yield (
             "gymproxy_upstream_healthy",
@@ -483,6 +607,18 @@ class Fleet:
             lambda: [
                 (label(upstream=name, result=result), n) for (name, result), n in sorted(self.health_checks.items())
             ],
+        )
+        yield (
+            "gymproxy_upstreams_added_total",
+            "counter",
+            "Upstreams added while running (SIGHUP, admin routes, DNS discovery).",
+            lambda: [("", self.added)],
+        )
+        yield (
+            "gymproxy_upstreams_removed_total",
+            "counter",
+            "Upstreams removed while running (each drained first).",
+            lambda: [("", self.removed)],
         )
         yield (
             "gymproxy_pins_created_total",

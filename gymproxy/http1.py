@@ -510,7 +510,7 @@ class Client:
         return reply
 
     async def _connection(self, url: URL, fresh: bool = False) -> _Connection:
-        key = (url.scheme, url.raw_host or "", url.port or (443 if url.scheme == "https" else 80))
+        key = self._key(url)
         idle = None if fresh else self._idle.get(key)
         if idle:
             now = time.monotonic()
@@ -571,6 +571,19 @@ class Client:
             left = left or bool(keep)
         if left and not self._closed:
             self._sweeper = asyncio.get_running_loop().call_later(self.keepalive / 2, self._sweep)
+
+    @staticmethod
+    def _key(url: URL) -> tuple[str, str, int]:
+        return (url.scheme, url.raw_host or "", url.port or (443 if url.scheme == "https" else 80))
+
+    def same_host(self, a: URL, b: URL) -> bool:
+        """Whether `a` and `b` share connections (scheme, host and port)."""
+        return self._key(a) == self._key(b)
+
+    def close_idle(self, url: URL) -> None:
+        """Close the pooled connections to `url`'s host (an upstream removed from the fleet)."""
+        for conn in self._idle.pop(self._key(url), []):
+            conn.close()
 
     @property
     def idle(self) -> int:

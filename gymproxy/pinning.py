@@ -216,6 +216,8 @@ class Pinner(Generic[U]):
         `busy`). Health marks are guesses: when none is marked healthy, every upstream not yet
         tried is a candidate, so a recovered server is used at once rather than after the next check.
         """
+        if not self.upstreams:
+            raise NoUpstream("no upstream is configured: the fleet is empty")
         home: U | None = None
         why: str | None = None
         if cookie:

@@ -92,7 +92,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
 
 
 def admin_app(proxy: Proxy) -> web.Application:
-    """/health and /metrics alone, for `access.admin_port`."""
+    """/health, /metrics and /admin/upstreams alone, for `access.admin_port`."""
     app = web.Application()
     app.router.add_routes(_admin_routes(proxy, "") + _probes(proxy, "", app, ("/", *PROBES)))
     return app
@@ -100,9 +100,15 @@ def admin_app(proxy: Proxy) -> web.Application:
 
 def _admin_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
     admin = not proxy.config.access.admin_requires_key
+    upstreams, one = prefix + "/admin/upstreams", prefix + "/admin/upstreams/{name:.+}"
+    # A change of the fleet redirects traffic, so it is never open while any key is configured.
     return [
         web.get(prefix + "/health", routes.bind(proxy, routes.health, "/health", open_route=admin)),
         web.get(prefix + "/metrics", routes.bind(proxy, routes.metrics, "/metrics", open_route=admin)),
+        web.get(upstreams, routes.bind(proxy, routes.list_upstreams, "/admin/upstreams", open_route=admin)),
+        web.post(upstreams, routes.bind(proxy, routes.add_upstream, "/admin/upstreams")),
+        web.post(one + "/drain", routes.bind(proxy, routes.drain_upstream, "/admin/upstreams/{name}/drain")),
+        web.delete(one, routes.bind(proxy, routes.remove_upstream, "/admin/upstreams/{name}")),
     ]
 
 

@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 
-from .config import Config
+from . import discovery
+from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_specs
 from .convert import boundary, completions
 from .convert.request import RequestReader
-from .fleet import Fleet
+from .fleet import Change, Fleet, upstream_name
 from .http1 import Aborted
 from .metrics import Metrics
+from .overlay import Changes, Overlay
 from .templates import ChatTemplate
 
 log = logging.getLogger("gymproxy")
 
 R = TypeVar("R", bound=msgspec.Struct)
 SHUTTING_DOWN = "gymproxy is shutting down"
+# What a reload applies live; any other key it changes is logged as needing a restart.
+LIVE_KEYS = ("base_url", "upstreams", "upstreams_dns", "upstreams_dns_interval_s")
+FIRST_RESOLVE_S = 5.0  # how long startup waits for the first `upstreams_dns` answer
 
 
 def rules(kind: type[R], config: Config) -> R:
@@ -46,11 +52,114 @@ class Proxy:
             else None
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self.overlay = Overlay()  # the admin routes' changes (`gymproxy serve --workers` gives it a file)
+        self.notify: Callable[[], None] | None = None  # tells the other workers the overlay changed
+        self.resolve: discovery.Resolve = discovery.resolve  # for `upstreams_dns` (tests inject their own)
+        self.discovered: list[UpstreamSpec] = []
+        self._dns_failure: str | None = None
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
-        self._tasks = [asyncio.ensure_future(self.fleet.probe()), asyncio.ensure_future(self.fleet.watch_health())]
+        access = self.config.access
+        if access.admin_fleet_changes and not access.api_keys:
+            log.warning(
+                "access.admin_fleet_changes is on and no access.api_keys are set: anyone who reaches "
+                "gymproxy can change its upstreams"
+            )
+        self.overlay.load()
+        if self.config.upstreams_dns is not None:
+            try:
+                await asyncio.wait_for(self.discover(), FIRST_RESOLVE_S)
+            except asyncio.TimeoutError:
+                log.warning("upstreams_dns %s: no answer in %g s; retrying", self.config.upstreams_dns, FIRST_RESOLVE_S)
+        self.apply()
+        self._tasks = [
+            asyncio.ensure_future(self.fleet.probe()),
+            asyncio.ensure_future(self.fleet.watch_health()),
+            asyncio.ensure_future(self.follow_dns()),
+        ]
+
+    def apply(self) -> Change:
+        """Make the fleet what the config, DNS discovery and the admin changes say together."""
+        specs = {upstream_name(spec): spec for spec in [*upstream_specs(self.config), *self.discovered]}
+        wanted, drained = self.overlay.apply(specs)
+        return self.fleet.update(wanted, drained=drained)
+
+    def reload(self, config: Config) -> list[str]:
+        """Apply a re-read config live: its upstreams (`LIVE_KEYS`), with the admin changes on top.
+        Returns (and logs) the other keys it changes, which need a restart to take effect."""
+        later = [
+            key
+            for key in Config.__struct_fields__
+            if key not in LIVE_KEYS and getattr(config, key) != getattr(self.config, key)
+        ]
+        if later:
+            log.warning(
+                "config reloaded: %s changed and needs a restart; applying the upstreams only", ", ".join(later)
+            )
+        self.config = msgspec.structs.replace(self.config, **{key: getattr(config, key) for key in LIVE_KEYS})
+        if self.config.upstreams_dns is None:
+            self.discovered = []
+        self.overlay.load()
+        change = self.apply()
+        log.info(
+            "fleet reloaded: %d upstreams; added %s, removed %s, changed %s",
+            len(self.fleet.upstreams),
+            change.added or "none",
+            change.removed or "none",
+            change.changed or "none",
+        )
+        return later
+
+    def change(self, edit: Callable[[Changes], None]) -> Change:
+        """An admin change: recorded in the overlay, applied here, and announced to the other workers."""
+        with self.overlay.editing() as changes:
+            edit(changes)
+        change = self.apply()
+        if self.notify is not None:
+            self.notify()
+        return change
+
+    async def discover(self) -> None:
+        """Resolve `upstreams_dns` once; on failure keep the last set (logged once per new failure)."""
+        value = self.config.upstreams_dns
+        if value is None:
+            return
+        try:
+            target = dns_target(value)
+            addresses = await self.resolve(target.host, target.port)
+            if not addresses:
+                raise ConfigError(f"{target.host} resolved to no address")
+        except (OSError, ValueError, ConfigError) as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+            if failure != self._dns_failure:
+                self._dns_failure = failure
+                log.warning(
+                    "upstreams_dns %s: cannot resolve (%s); keeping the last %d", value, failure, len(self.discovered)
+                )
+            return
+        if self._dns_failure is not None:
+            self._dns_failure = None
+            log.info("upstreams_dns %s resolves again", value)
+        self.discovered = discovery.to_specs(target, addresses)
+
+    async def follow_dns(self) -> None:
+        """Re-resolve `upstreams_dns` every `upstreams_dns_interval_s` and apply what changed."""
+        while True:
+            await asyncio.sleep(self.config.upstreams_dns_interval_s)
+            if self.config.upstreams_dns is None:
+                continue
+            before = self.discovered
+            await self.discover()
+            if self.discovered != before:
+                change = self.apply()
+                log.info(
+                    "upstreams_dns %s: added %s, removed %s",
+                    self.config.upstreams_dns,
+                    change.added or "none",
+                    change.removed or "none",
+                )
 
     def end_requests(self) -> None:
         """A shutdown's grace is over: every upstream request in progress ends now, and no new one
@@ -60,6 +169,7 @@ class Proxy:
         self.fleet.client.abort(Aborted(SHUTTING_DOWN))
 
     async def close(self) -> None:
+        self.fleet.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -9,6 +9,8 @@ GET  /v1/models, POST /v1/completions, POST /tokenize   relayed as they are
 POST /v1/messages, /v1/messages/count_tokens   Anthropic's API, relayed to vLLM's own (messages.py)
 GET  /api/hello             Claude Code's reachability check
 GET  /health, /metrics      the fleet's state
+GET, POST /admin/upstreams, POST /admin/upstreams/{name}/drain, DELETE /admin/upstreams/{name}
+                            the fleet listed and changed live (the changes behind a key when any is set)
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
 `bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
@@ -29,20 +31,24 @@ import msgspec
 import orjson
 from aiohttp import streams, web
 
-from . import messages
-from .config import Config
+from . import messages, overlay
+from .config import Config, UpstreamSpec
 from .convert.request import to_chat_body
 from .errors import (
     BadRequest,
     BodyTimeout,
+    Conflict,
     Envelope,
+    Forbidden,
     Handler,
+    NotFound,
     PayloadTooLarge,
     Unauthorized,
     from_validation,
     render,
 )
 from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
+from .fleet import shown, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
 from .proxy import Proxy
@@ -213,6 +219,62 @@ async def health(proxy: Proxy, request: web.Request, caller: Caller) -> web.Stre
     ok = any(state["healthy"] for state in states)
     body = {"status": "ok" if ok else "unavailable", "upstreams": states}
     return web.Response(body=ENCODER.encode(body), status=200 if ok else 503, content_type=JSON)
+
+
+# --- the fleet's admin routes (mounted beside /health; the changes need `access.admin_fleet_changes`) ---
+
+
+async def list_upstreams(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /admin/upstreams`: every upstream known, with its state (see `Fleet.states`)."""
+    return _fleet_response(proxy)
+
+
+async def add_upstream(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /admin/upstreams` `{"url": ..., "name"?, "weight"?, "api_key"?}`: 201 and the fleet."""
+    _allow_changes(proxy)
+    try:
+        spec = msgspec.json.decode(await read_body(request, proxy.config), type=UpstreamSpec)
+    except msgspec.DecodeError as exc:
+        raise from_validation(exc) from exc
+    if not spec.url.startswith(("http://", "https://")):
+        raise BadRequest(f"url {shown(spec.url)!r} must start with http:// or https://", param="url")
+    name = upstream_name(spec)
+    if any(state["name"] == name for state in proxy.fleet.states()):
+        raise Conflict(f"an upstream named {name!r} exists already; remove it first", param="name")
+    proxy.change(lambda changes: overlay.add(changes, name, spec))
+    return _fleet_response(proxy, status=201)
+
+
+async def drain_upstream(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /admin/upstreams/{name}/drain`: no new requests go there; those in flight finish."""
+    _allow_changes(proxy)
+    name = _known(proxy, request)
+    proxy.change(lambda changes: overlay.drain(changes, name))
+    return _fleet_response(proxy)
+
+
+async def remove_upstream(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`DELETE /admin/upstreams/{name}`: drained, then forgotten once its requests in flight end."""
+    _allow_changes(proxy)
+    name = _known(proxy, request)
+    proxy.change(lambda changes: overlay.remove(changes, name))
+    return _fleet_response(proxy)
+
+
+def _allow_changes(proxy: Proxy) -> None:
+    if not proxy.config.access.admin_fleet_changes:
+        raise Forbidden("changing the fleet over HTTP is off; set `access.admin_fleet_changes: true` to allow it")
+
+
+def _known(proxy: Proxy, request: web.Request) -> str:
+    name = request.match_info["name"]
+    if not any(state["name"] == name and state["state"] != "removing" for state in proxy.fleet.states()):
+        raise NotFound(f"no upstream is named {name!r} (GET /admin/upstreams lists them)", param="name")
+    return name
+
+
+def _fleet_response(proxy: Proxy, status: int = 200) -> web.Response:
+    return web.Response(body=ENCODER.encode({"upstreams": proxy.fleet.states()}), status=status, content_type=JSON)
 
 
 async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:

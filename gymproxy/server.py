@@ -18,13 +18,15 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, cast
 
 from aiohttp import web
 
 from . import __version__
-from .config import Config
+from .config import Config, ConfigError
 from .plugin import PROXIES, admin_app, create_app
+from .proxy import Proxy
 from .routes import end_stalled_body
 
 log = logging.getLogger("gymproxy")
@@ -47,13 +49,25 @@ REFUSED = (
 )
 
 
-def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = False) -> None:
-    """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it."""
+def run(
+    config: Config,
+    *,
+    fake_port: int | None = None,
+    reuse_port: bool = False,
+    reload: Callable[[], Config] | None = None,
+    overlay: Path | None = None,
+) -> None:
+    """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it.
+
+    On SIGHUP, `reload()` reads the config again and its upstreams are applied live (`Proxy.reload`);
+    a config it cannot read is logged and the fleet stays. With `overlay` (a worker of
+    `--workers N`), the admin changes are shared through that file, and a change taken here is
+    announced to the parent with a SIGHUP, which it forwards to every worker."""
     raise_open_files(config.limits.open_files)
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port))
+        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay))
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -61,9 +75,20 @@ def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fals
         loop.close()
 
 
-async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> None:
+async def _serve(
+    config: Config,
+    fake_port: int | None,
+    reuse_port: bool,
+    reload: Callable[[], Config] | None,
+    overlay: Path | None,
+) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
+    proxy = app[PROXIES][0]
+    if overlay is not None:
+        proxy.overlay.path = overlay
+        parent = os.getppid()
+        proxy.notify = lambda: os.kill(parent, signal.SIGHUP)
     if fake_port is not None:
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
     if config.access.admin_port is not None:
@@ -85,6 +110,7 @@ async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> Non
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reloader(proxy, reload))
     tune_gc()
     log.info(
         "gymproxy %s listening on http://%s:%d (pid %d, at most %d client connections)",
@@ -97,11 +123,32 @@ async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> Non
     try:
         await stop.wait()
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         log.info("stopping: no new connections; requests in flight get %g s", config.shutdown_grace_s)
         listener.close()
         await runner.cleanup()  # app.on_shutdown starts the grace (plugin.setup), then waits for handlers
+
+
+def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[], None]:
+    """The SIGHUP handler: re-read the config (and the workers' overlay) and apply the upstreams."""
+
+    def hup() -> None:
+        if reload is None:
+            log.info("SIGHUP: no config to re-read; applying the admin changes only")
+            proxy.reload(proxy.config)
+            return
+        try:
+            config = reload()
+        except ConfigError as exc:
+            log.error("SIGHUP: the new config is not used, the fleet stays as it is: %s", exc)
+            return
+        except Exception:  # a bug: the process keeps serving the fleet it has
+            log.exception("SIGHUP: reading the config failed unexpectedly; the fleet stays as it is")
+            return
+        proxy.reload(config)
+
+    return hup
 
 
 class ConnectionCap:

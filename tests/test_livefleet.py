@@ -1,0 +1,374 @@
+"""A live fleet: upstreams added, drained and removed while gymproxy serves (Fleet.update, SIGHUP,
+the admin routes, DNS discovery), with what moves and what stays."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gymproxy import build_config, create_app
+from gymproxy.config import UpstreamSpec
+from gymproxy.pinning import Pinner, Signer
+from gymproxy.plugin import PROXIES
+from gymproxy.proxy import Proxy
+from gymproxy.testing.fake_vllm import FakeVLLM, Script
+
+from .test_fleet import SECRET, ask, generations, pin_of
+
+KEY = "admin-key"
+
+
+@pytest.fixture
+async def fleet(aiohttp_server):
+    """Four fake vLLMs on their own ports (three to start with, one to add)."""
+    fakes = [FakeVLLM(model=f"m{i}") for i in range(4)]
+    for fake in fakes:
+        fake.url = str((await aiohttp_server(fake.app)).make_url("/v1"))
+    return fakes
+
+
+async def serve(aiohttp_server, **config: Any) -> tuple[str, Proxy]:
+    config.setdefault("pinning", {"secret": SECRET})
+    app = create_app(build_config(config, environ={}))
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/"), app[PROXIES][0]
+
+
+async def until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def states(proxy: Proxy) -> dict[str, str]:
+    return {s["name"]: s["state"] for s in proxy.fleet.states()}
+
+
+def spec(fake: FakeVLLM, name: str | None = None, **fields: Any) -> UpstreamSpec:
+    return UpstreamSpec(url=fake.url, name=name, **fields)
+
+
+# --- Fleet.update ------------------------------------------------------------------------------------
+
+
+async def test_a_new_upstream_takes_sessions_once_healthy_and_removed_pins_move(aiohttp_server, fleet):
+    url, proxy = await serve(aiohttp_server, base_url=[f.url for f in fleet[:3]])
+    signer = Signer(SECRET.encode(), 3600)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        pins = [pin_of(await ask(session, url)) for _ in range(30)]
+        names = [signer.unsign(p) for p in pins if p]
+        assert len(names) == 30 and set(names) == {f.url for f in fleet[:3]}
+        change = proxy.fleet.update([spec(f) for f in (fleet[0], fleet[1], fleet[3])])
+        assert change.added == [fleet[3].url] and change.removed == [fleet[2].url] and not change.changed
+        await until(lambda: states(proxy)[fleet[3].url] == "healthy")  # its first check ran at once
+        await until(lambda: fleet[2].url not in states(proxy))  # nothing in flight: forgotten
+        for pin, name in zip(pins, names, strict=True):
+            response = await ask(session, url, pin)
+            assert response.status == 200
+            if name == fleet[2].url:
+                assert signer.unsign(pin_of(response) or "") in (fleet[0].url, fleet[1].url, fleet[3].url)
+            else:
+                assert pin_of(response) is None  # the others stay where they are
+    assert proxy.fleet.added == 1 and proxy.fleet.removed == 1
+    metrics = proxy.metrics.render(proxy.fleet.gauges())
+    assert "gymproxy_upstreams_added_total 1" in metrics and "gymproxy_upstreams_removed_total 1" in metrics
+
+
+async def test_a_new_upstream_that_is_not_healthy_takes_no_sessions(aiohttp_server, fleet):
+    url, proxy = await serve(aiohttp_server, base_url=[fleet[0].url], health={"interval": 60})
+    proxy.fleet.update([spec(fleet[0]), UpstreamSpec(url="http://127.0.0.1:9/v1", name="dead")])
+    await asyncio.sleep(0.3)
+    assert states(proxy) == {fleet[0].url: "healthy", "dead": "starting"}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for _ in range(10):
+            assert (await ask(session, url)).status == 200
+    assert generations(fleet[0]) == 10
+
+
+async def test_weight_and_key_change_in_place_and_keep_their_pins(aiohttp_server, fleet):
+    url, proxy = await serve(
+        aiohttp_server, upstreams=[{"name": "a", "url": fleet[0].url}, {"name": "b", "url": fleet[1].url}]
+    )
+    before = proxy.fleet.upstreams[0]
+    change = proxy.fleet.update([spec(fleet[0], "a", weight=3, api_key="k2"), spec(fleet[1], "b")])
+    assert change.changed == ["a"] and not change.added and not change.removed
+    assert proxy.fleet.upstreams[0] is before and before.weight == 3
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        assert (await ask(session, url, Signer(SECRET.encode(), 3600).sign("a"))).status == 200
+    assert fleet[0].requests[-1].headers["Authorization"] == "Bearer k2"
+
+
+def test_adding_one_upstream_moves_about_one_in_n_keyed_sessions():
+    class Candidate:
+        def __init__(self, name: str) -> None:
+            self.name = self.url = name
+            self.weight, self.healthy, self.inflight, self.blocked = 1.0, True, 0, False
+
+    upstreams = [Candidate(f"vllm-{i}") for i in range(4)]
+    pinner = Pinner(upstreams, Signer(b"s", 3600), placement="least_outstanding")
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(4000)]
+    before = {key: pinner.pick(None, key).upstream.name for key in keys}
+    pinner.set_upstreams([*upstreams, Candidate("vllm-4")])
+    after = {key: pinner.pick(None, key).upstream.name for key in keys}
+    moved = [key for key in keys if before[key] != after[key]]
+    assert all(after[key] == "vllm-4" for key in moved)  # moves go to the new one only
+    assert 0.8 / 5 < len(moved) / len(keys) < 1.2 / 5  # its fair share: ~1/N
+    pinner.set_upstreams(upstreams[1:])  # one removed: only its own sessions move
+    removed = {key: pinner.pick(None, key).upstream.name for key in keys}
+    assert all(removed[key] == before[key] for key in keys if before[key] != "vllm-0")
+
+
+async def test_drain_lets_a_stream_in_flight_finish(aiohttp_server, fleet):
+    url, proxy = await serve(aiohttp_server, base_url=[fleet[0].url])
+    fleet[0].push(Script(content=" ".join(f"w{i}" for i in range(20)), chunk_delay=0.05))
+    async with aiohttp.ClientSession() as session:
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+        async with session.post(url + "/v1/chat/completions", json=body) as streaming:
+            first = await streaming.content.readany()
+            proxy.fleet.update([spec(fleet[1])])
+            assert states(proxy)[fleet[0].url] == "removing"
+            rest = await streaming.read()
+        assert streaming.status == 200 and b"[DONE]" in first + rest and b"w19" in first + rest
+        await until(lambda: fleet[0].url not in states(proxy))
+        await until(lambda: states(proxy)[fleet[1].url] == "healthy")
+        assert (await ask(session, url)).status == 200
+    assert generations(fleet[1]) == 1
+
+
+# --- Proxy.reload (what SIGHUP applies) ----------------------------------------------------------------
+
+
+async def test_reload_applies_the_upstreams_and_names_what_needs_a_restart(aiohttp_server, fleet, caplog):
+    _, proxy = await serve(aiohttp_server, base_url=[fleet[0].url])
+    caplog.set_level(logging.INFO, "gymproxy")
+    new = build_config(
+        {"base_url": [fleet[0].url, fleet[1].url], "stream_keepalive_s": 3, "pinning": {"secret": SECRET}}
+    )
+    assert proxy.reload(new) == ["stream_keepalive_s"]
+    assert "stream_keepalive_s changed and needs a restart" in caplog.text
+    assert list(states(proxy)) == [fleet[0].url, fleet[1].url]
+    assert proxy.config.stream_keepalive_s == 15  # not applied
+
+
+# --- the admin routes ----------------------------------------------------------------------------------
+
+
+async def test_admin_changes_are_off_unless_enabled(aiohttp_server, fleet):
+    url, _ = await serve(aiohttp_server, base_url=[fleet[0].url])
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/admin/upstreams") as r:
+            assert r.status == 200 and [u["state"] for u in (await r.json())["upstreams"]] == ["healthy"]
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[1].url}) as r:
+            assert r.status == 403 and "admin_fleet_changes" in (await r.json())["error"]["message"]
+
+
+async def test_admin_routes_need_the_key_and_add_drain_remove(aiohttp_server, fleet):
+    url, proxy = await serve(
+        aiohttp_server, base_url=[fleet[0].url], access={"api_keys": [KEY], "admin_fleet_changes": True}
+    )
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[1].url, "name": "b"}) as r:
+            assert r.status == 401
+        async with session.delete(url + f"/admin/upstreams/{fleet[0].url}") as r:
+            assert r.status == 401
+        body = {"url": fleet[1].url, "name": "b", "weight": 2, "api_key": "upstream-key"}
+        async with session.post(url + "/admin/upstreams", json=body, headers=auth) as r:
+            assert r.status == 201
+            listed = {u["name"]: u for u in (await r.json())["upstreams"]}
+            assert listed["b"]["weight"] == 2 and listed["b"]["state"] in ("starting", "healthy")
+            assert "upstream-key" not in await r.text()
+        await until(lambda: states(proxy)["b"] == "healthy")
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[2].url, "name": "b"}, headers=auth) as r:
+            assert r.status == 409 and (await r.json())["error"]["param"] == "name"
+        async with session.post(url + "/admin/upstreams", json={"name": "c"}, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "url"
+        async with session.post(url + "/admin/upstreams", json={"url": "ftp://x", "name": "c"}, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "url"
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[2].url, "weight": 0}, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "weight"
+        async with session.post(url + "/admin/upstreams/nope/drain", headers=auth) as r:
+            assert r.status == 404
+        # Drained: listed, and no new request goes there.
+        async with session.post(url + f"/admin/upstreams/{fleet[0].url}/drain", headers=auth) as r:
+            assert r.status == 200
+        assert states(proxy)[fleet[0].url] == "drained"
+        before = generations(fleet[0])
+        for _ in range(5):
+            assert (await ask(session, url, **auth)).status == 200
+        assert generations(fleet[0]) == before
+        async with session.delete(url + "/admin/upstreams/b", headers=auth) as r:
+            assert r.status == 200
+        await until(lambda: "b" not in states(proxy))
+        async with session.delete(url + "/admin/upstreams/b", headers=auth) as r:
+            assert r.status == 404
+        async with session.get(url + "/admin/upstreams", headers=auth) as r:
+            assert [u["name"] for u in (await r.json())["upstreams"]] == [fleet[0].url]
+
+
+async def test_admin_changes_survive_a_reload(aiohttp_server, fleet):
+    _, proxy = await serve(aiohttp_server, base_url=[fleet[0].url, fleet[1].url], access={"admin_fleet_changes": True})
+    from gymproxy import overlay
+
+    proxy.change(lambda c: overlay.add(c, "x", spec(fleet[2], "x")))
+    proxy.change(lambda c: overlay.remove(c, fleet[0].url))
+    proxy.reload(build_config({"base_url": [fleet[0].url, fleet[1].url, fleet[3].url], "pinning": {"secret": SECRET}}))
+    assert sorted(n for n, s in states(proxy).items() if s != "removing") == sorted([fleet[1].url, fleet[3].url, "x"])
+
+
+# --- DNS discovery ---------------------------------------------------------------------------------------
+
+
+async def test_dns_discovery_follows_the_answers_and_keeps_the_last_set_on_failure(aiohttp_server, caplog):
+    fake = FakeVLLM()
+    # On every address, so 127.0.0.1 and 127.0.0.2 (loopback too, on Linux) both reach it.
+    ports = [(await aiohttp_server(fake.app, host="0.0.0.0")).port]
+    answers: list[Any] = [["127.0.0.1"]]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        answer = answers[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return list(answer)
+
+    config = {"upstreams_dns": f"http://vllm.example:{ports[0]}/v1", "upstreams_dns_interval_s": 0.05}
+    app = create_app(build_config({**config, "pinning": {"secret": SECRET}}, environ={}))
+    proxy = app[PROXIES][0]
+    proxy.resolve = resolve
+    caplog.set_level(logging.INFO, "gymproxy")
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    first = f"127.0.0.1:{ports[0]}"
+    assert list(states(proxy)) == [first]
+    await until(lambda: states(proxy)[first] == "healthy")
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        assert (await ask(session, url)).status == 200
+        answers[0] = ["127.0.0.1", "127.0.0.2"]  # scaled up
+        await until(lambda: states(proxy).get(f"127.0.0.2:{ports[0]}") == "healthy")
+        answers[0] = OSError("Temporary failure in name resolution")
+        await asyncio.sleep(0.3)
+        assert len(states(proxy)) == 2  # the last set stays
+        assert caplog.text.count("cannot resolve") == 1  # logged once, not every round
+        answers[0] = []  # an empty answer is a failure too
+        await asyncio.sleep(0.2)
+        assert len(states(proxy)) == 2
+        answers[0] = ["127.0.0.2"]  # scaled down
+        await until(lambda: list(states(proxy)) == [f"127.0.0.2:{ports[0]}"])
+        assert "resolves again" in caplog.text
+        assert (await ask(session, url)).status == 200
+    assert proxy.fleet.added == 2 and proxy.fleet.removed == 1  # the first answer's one counts as added
+
+
+def test_dns_target_forms():
+    from gymproxy.config import ConfigError, DnsTarget, dns_target
+
+    assert dns_target("vllm:8000") == DnsTarget("http", "vllm", 8000, "/v1")
+    assert dns_target("https://vllm.ns.svc:443/v2") == DnsTarget("https", "vllm.ns.svc", 443, "/v2")
+    from gymproxy.discovery import to_specs
+
+    assert [s.url for s in to_specs(dns_target("v:1"), ["::1", "10.0.0.1"])] == [
+        "http://[::1]:1/v1",
+        "http://10.0.0.1:1/v1",
+    ]
+    for bad in ("vllm", "ftp://vllm:1", "http://vllm/v1", "vllm:99999"):
+        with pytest.raises(ConfigError, match="upstreams_dns"):
+            build_config({"upstreams_dns": bad}, environ={})
+
+
+# --- on the real command: SIGHUP, and workers ---------------------------------------------------------
+
+
+async def _keep_asking(url: str, statuses: list[int], stop: asyncio.Event) -> None:
+    """One session after another, each asking twice (the second time with its pin), until `stop`."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        while not stop.is_set():
+            first = await ask(session, url)
+            statuses.append(first.status)
+            statuses.append((await ask(session, url, pin_of(first))).status)
+
+
+async def test_sighup_adds_and_removes_upstreams_with_no_failed_request(fleet, tmp_path):
+    import signal
+
+    import yaml
+
+    from .served import Served
+
+    config: dict[str, Any] = {"base_url": [fleet[0].url, fleet[1].url], "pinning": {"secret": SECRET}}
+    async with Served(tmp_path, config) as served:
+        statuses: list[int] = []
+        stop = asyncio.Event()
+        askers = [asyncio.ensure_future(_keep_asking(served.url, statuses, stop)) for _ in range(4)]
+        await until(lambda: len(statuses) > 20)
+        served.config_path.write_text(yaml.safe_dump({**config, "base_url": [fleet[1].url, fleet[2].url]}))
+        assert served.process is not None
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: "fleet reloaded" in served.log)
+        before = generations(fleet[0])
+        await until(lambda: generations(fleet[2]) > 5)  # the new one takes sessions
+        await asyncio.sleep(0.3)
+        assert generations(fleet[0]) == before  # the removed one takes none
+        # An invalid file changes nothing: the fleet keeps serving.
+        served.config_path.write_text("base_url: [http://x/v1]\nno_such_key: 1\n")
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: "the new config is not used" in served.log)
+        count = len(statuses)
+        await until(lambda: len(statuses) > count + 20)
+        stop.set()
+        await asyncio.gather(*askers)
+        async with aiohttp.ClientSession() as session, session.get(served.url + "/admin/upstreams") as r:
+            assert [u["name"] for u in (await r.json())["upstreams"]] == [fleet[1].url, fleet[2].url]
+        assert served.process.poll() is None  # no restart
+    assert set(statuses) == {200}, sorted(set(statuses))
+    assert "no_such_key" in served.log
+
+
+async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, tmp_path):
+    import signal
+
+    import yaml
+
+    from .served import Served
+
+    config: dict[str, Any] = {
+        "base_url": [fleet[0].url],
+        "pinning": {"secret": SECRET},
+        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
+    }
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def names_seen() -> list[list[str]]:
+        """What each of 12 new connections (spread over the workers by the kernel) lists."""
+        seen = []
+        for _ in range(12):
+            async with aiohttp.ClientSession() as fresh, fresh.get(served.url + "/admin/upstreams", headers=auth) as r:
+                seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
+        return seen
+
+    async with Served(tmp_path, config, "--workers", "2") as served:
+        await until(lambda: served.log.count(" listening on http://") == 2, 20)
+        async with aiohttp.ClientSession() as session:
+            body = {"url": fleet[1].url, "name": "added"}
+            async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
+                assert r.status == 201
+        await until(lambda: served.log.count(" added: ") == 2)  # once in each worker
+        assert await names_seen() == [sorted([fleet[0].url, "added"])] * 12
+        async with aiohttp.ClientSession() as session:
+            async with session.delete(served.url + f"/admin/upstreams/{fleet[0].url}", headers=auth) as r:
+                assert r.status == 200
+        await until(lambda: served.log.count(" drained and forgotten") == 2)
+        assert await names_seen() == [["added"]] * 12
+        # A SIGHUP to the parent reaches every worker; the admin changes stay on top of the file.
+        served.config_path.write_text(yaml.safe_dump({**config, "base_url": [fleet[0].url, fleet[2].url]}))
+        assert served.process is not None
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: served.log.count("fleet reloaded") >= 4)  # two from the admin changes' SIGHUPs too
+        await until(lambda: served.log.count(f"upstream {fleet[2].url} added") == 2)
+        assert await names_seen() == [sorted(["added", fleet[2].url])] * 12
