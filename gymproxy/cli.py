@@ -6,9 +6,11 @@ import argparse
 import logging
 import multiprocessing
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +20,7 @@ import msgspec
 from . import __version__, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
+from .peers import Peers
 
 log = logging.getLogger("gymproxy")
 
@@ -62,10 +65,15 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
         pinning = msgspec.structs.replace(config.pinning, secret=secrets.token_hex(32))
         config = msgspec.structs.replace(config, pinning=pinning)
     context = multiprocessing.get_context("spawn")
+    # Each worker serves its own metrics here, so the one a scrape reaches can answer for all (peers.py).
+    runtime = tempfile.mkdtemp(prefix="gymproxy-")  # mode 0700: only this user reads the sockets
     children = []
     if fake_port is not None:
         children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
-    children += [context.Process(target=_run_worker, args=(config,), daemon=True) for _ in range(workers)]
+    children += [
+        context.Process(target=_run_worker, args=(config, runtime, index, workers), daemon=True)
+        for index in range(workers)
+    ]
     for child in children:
         child.start()
     log.info("gymproxy %s: %d workers on http://%s:%d", __version__, workers, config.host, config.port)
@@ -93,15 +101,16 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None)
             if child.is_alive():
                 child.kill()
                 child.join()
+        shutil.rmtree(runtime, ignore_errors=True)
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
 
-def _run_worker(config: Config) -> None:
+def _run_worker(config: Config, runtime: str, index: int, workers: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    server.run(config, reuse_port=True)
+    server.run(config, reuse_port=True, peers=Peers(runtime, index, workers))
 
 
 def _run_fake(port: int, model: str) -> None:

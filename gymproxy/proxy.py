@@ -15,6 +15,7 @@ from .convert.request import RequestReader
 from .fleet import Fleet
 from .http1 import Aborted
 from .metrics import Metrics
+from .peers import Peers
 from .templates import ChatTemplate
 
 log = logging.getLogger("gymproxy")
@@ -46,6 +47,7 @@ class Proxy:
             else None
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
@@ -58,6 +60,10 @@ class Proxy:
         if self.fleet.client.in_use:
             log.warning("shutdown grace over: ending %d upstream requests in flight", self.fleet.client.in_use)
         self.fleet.client.abort(Aborted(SHUTTING_DOWN))
+
+    def render_metrics(self) -> str:
+        """This process's own `/metrics` text."""
+        return self.metrics.render(self.fleet.gauges())
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -223,7 +223,9 @@ async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.Stream
 
 async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`GET /metrics` in the Prometheus text format."""
-    text = proxy.metrics.render(proxy.fleet.gauges())
+    text = proxy.render_metrics()
+    if proxy.peers is not None:  # one worker of several: the scrape covers them all
+        text = await proxy.peers.collect(text)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

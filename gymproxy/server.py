@@ -24,6 +24,7 @@ from aiohttp import web
 
 from . import __version__
 from .config import Config
+from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
 from .routes import end_stalled_body
 
@@ -47,13 +48,14 @@ REFUSED = (
 )
 
 
-def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = False) -> None:
-    """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it."""
+def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = False, peers: Peers | None = None) -> None:
+    """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it,
+    and with `peers` (a worker of `serve --workers N`) its `/metrics` covers every worker."""
     raise_open_files(config.limits.open_files)
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port))
+        loop.run_until_complete(_serve(config, fake_port, reuse_port, peers))
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -61,9 +63,11 @@ def run(config: Config, *, fake_port: int | None = None, reuse_port: bool = Fals
         loop.close()
 
 
-async def _serve(config: Config, fake_port: int | None, reuse_port: bool) -> None:
+async def _serve(config: Config, fake_port: int | None, reuse_port: bool, peers: Peers | None) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
+    if peers is not None:
+        app.cleanup_ctx.append(_peers(app[PROXIES][0], peers))
     if fake_port is not None:
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
     if config.access.admin_port is not None:
@@ -263,6 +267,16 @@ def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.A
         log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
         yield
         await runner.cleanup()
+
+    return lifetime
+
+
+def _peers(proxy: Any, peers: Peers) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        proxy.peers = peers
+        await peers.serve(proxy.render_metrics)
+        yield
+        await peers.close()
 
     return lifetime
 
