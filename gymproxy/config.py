@@ -183,7 +183,6 @@ _UNSUPPORTED = {
     "endpoint_file": "publish the URL through `base_url` and restart instead",
     "supply_prefix_token_ids": "NeMo Gym's prefix-supply capture is out of gymproxy's scope",
     "audio_root": "the metadata audio side-channel is out of gymproxy's scope",
-    "forward_session_id_as_conversation_id": "gymproxy keeps no session ids",
 }
 
 _PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")

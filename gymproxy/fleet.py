@@ -193,6 +193,8 @@ class Fleet:
         method: str = "POST",
         cookie: str | None = None,
         key: str | None = None,
+        sid: str | None = None,
+        session_id: str | None = None,
         request_id: str | None = None,
         query: str | None = None,
         headers: Mapping[str, str] | None = None,
@@ -201,14 +203,15 @@ class Fleet:
         the reply's head; an upstream that refuses the connection is skipped for the next one.
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
-        upstream's own (its key, `default_headers`), which they never replace."""
-        extra = (query, headers)
+        upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
+        `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
+        extra = (query, headers, session_id)
         if len(self.upstreams) == 1:  # nothing to choose, so nothing to pin
             upstream = self.upstreams[0]
             return Sent(upstream, await self._attempt(upstream, route, data, method, request_id, *extra), None)
         tried: list[Upstream] = []
         while True:
-            pin = self.pinner.pick(cookie, key, exclude=tuple(tried))
+            pin = self.pinner.pick(cookie, key, sid=sid, exclude=tuple(tried))
             try:
                 reply = await self._attempt(pin.upstream, route, data, method, request_id, *extra)
             except NotConnected:
@@ -244,6 +247,7 @@ class Fleet:
         request_id: str | None,
         query: str | None = None,
         extra: Mapping[str, str] | None = None,
+        session_id: str | None = None,
     ) -> Reply:
         """One request holding an in-flight slot of `upstream` (given back if it fails); failures
         are counted and mapped to 502/504 naming the URL."""
@@ -253,9 +257,17 @@ class Fleet:
         headers = upstream.json_headers if data is not None else upstream.headers
         if extra:
             names = upstream.header_names
+            if session_id is not None:
+                names = names | {"x-session-id"}
             headers = {**{k: v for k, v in extra.items() if k.lower() not in names}, **headers}
         if request_id is not None:
-            headers = {**headers, "X-Request-Id": request_id}
+            if session_id is not None:
+                # vLLM attaches X-Session-ID to its KV events; a client's own is replaced by the session's.
+                headers = {**headers, "X-Request-Id": request_id, "X-Session-ID": session_id}
+            else:
+                headers = {**headers, "X-Request-Id": request_id}
+        elif session_id is not None:
+            headers = {**headers, "X-Session-ID": session_id}
         await upstream.acquire()
         try:
             reply = await self.client.request(method, url, headers, data)

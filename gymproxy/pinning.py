@@ -1,7 +1,7 @@
 """Session pinning: which upstream serves a request, and the signed cookie that remembers it.
 
-The cookie is the whole state. Its value names the upstream, when it was issued, and an
-HMAC-SHA256 over both under a shared secret, so any worker process, any replica with the same
+The cookie is the whole state. Its value names the upstream, the session's id, when it was issued,
+and an HMAC-SHA256 over the three under a shared secret, so any worker process, any replica with the same
 secret, or a restarted gymproxy routes it the same way, and no session table grows in memory.
 A cookie that is forged, stale, malformed or names an upstream no longer configured is ignored
 and the session is pinned afresh. Clients without a cookie jar (agent harnesses such as Codex CLI
@@ -9,6 +9,10 @@ and Claude Code never return one) key their session instead: with a session head
 (`pinning.session_headers`), Responses' `prompt_cache_key`, or the body's `user`, in that order.
 Those keys map to an upstream by rendezvous hashing, so adding or removing one upstream moves only
 its own share of sessions.
+
+Every session has an id, sent to vLLM as `X-Session-ID`: its key when it has one, else the id its
+cookie carries, minted before its first request is sent (`new_session_id`) and kept when the pin
+is re-signed for another upstream.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hmac
 import logging
 import math
 import random
+import secrets
 import struct
 import time
 from typing import Generic, Protocol, TypeVar
@@ -32,29 +37,30 @@ VERIFIED_CACHE = 65536  # pins remembered as verified, per process
 
 
 class Signer:
-    """Signs and checks pin values `<name>.<issued>.<mac>` (base64url, no padding)."""
+    """Signs and checks pin values `<name>.<sid>.<issued>.<mac>` (name and mac base64url, no padding).
+
+    `sid` is the session's id (`new_session_id`). A pin in the older `<name>.<issued>.<mac>` form,
+    from before pins carried one, is still valid: `unsign` gives it the sid "", and the pinner
+    re-issues it in the new form for the same upstream.
+    """
 
     def __init__(self, secret: bytes, max_age: float) -> None:
         self._secret = secret
         self.max_age = max_age
-        self._recent: dict[str, tuple[int, str]] = {}  # name -> (second, pin): one HMAC a second
-        self._verified: dict[str, tuple[str, int]] = {}  # pin -> (name, issued): one HMAC per pin
+        self._verified: dict[str, tuple[str, str, int]] = {}  # pin -> (name, sid, issued): one HMAC per pin
 
-    def sign(self, name: str, issued: int | None = None) -> str:
+    def sign(self, name: str, sid: str | None = None, *, issued: int | None = None) -> str:
+        """A pin of session `sid` (a new id when None) to the upstream `name`; re-sign with the
+        session's own sid when its pin moves, so the session keeps its id."""
+        if sid is None:
+            sid = new_session_id()
         if issued is None:
             issued = int(time.time())
-            recent = self._recent.get(name)
-            if recent is not None and recent[0] == issued:
-                return recent[1]
-            pin = self.sign(name, issued)
-            self._recent[name] = (issued, pin)
-            return pin
-        encoded = _b64(name.encode())
-        payload = f"{encoded}.{issued}"
+        payload = f"{_b64(name.encode())}.{sid}.{issued}"
         return f"{payload}.{self._mac(payload)}"
 
-    def unsign(self, value: str) -> str | None:
-        """The upstream name in a valid, fresh pin; None for anything else."""
+    def unsign(self, value: str) -> tuple[str, str] | None:
+        """(upstream name, session id) of a valid, fresh pin (sid "" for an older pin); None for anything else."""
         known = self._verified.get(value)
         if known is None:
             known = self._verify(value)
@@ -63,25 +69,38 @@ class Signer:
             if len(self._verified) >= VERIFIED_CACHE:
                 self._verified.clear()  # bounded: a cache, never a session table
             self._verified[value] = known
-        name, issued = known
-        return name if time.time() - issued <= self.max_age else None
+        name, sid, issued = known
+        return (name, sid) if time.time() - issued <= self.max_age else None
 
-    def _verify(self, value: str) -> tuple[str, int] | None:
+    def _verify(self, value: str) -> tuple[str, str, int] | None:
         if not value.isascii():
             return None
-        encoded, sep, rest = value.partition(".")
-        issued, sep2, mac = rest.partition(".")
-        if not (sep and sep2 and issued.isdigit()):
+        parts = value.split(".")
+        if len(parts) == 4:
+            encoded, sid, issued, mac = parts
+            if not (sid and _SID_CHARS.issuperset(sid)):
+                return None
+        elif len(parts) == 3:  # the older form, without a session id
+            (encoded, issued, mac), sid = parts, ""
+        else:
             return None
-        if not hmac.compare_digest(mac, self._mac(f"{encoded}.{issued}")):
+        if not issued.isdigit() or not hmac.compare_digest(mac, self._mac(value[: -len(mac) - 1])):
             return None
         try:
-            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode(), int(issued)
+            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode(), sid, int(issued)
         except (ValueError, UnicodeDecodeError):
             return None
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._secret, payload.encode(), hashlib.sha256).digest())
+
+
+_SID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def new_session_id() -> str:
+    """A fresh session id: 16 base64url characters (96 random bits)."""
+    return secrets.token_urlsafe(12)
 
 
 def _b64(data: bytes) -> str:
@@ -146,18 +165,30 @@ class Pinner(Generic[U]):
         self.repinned = 0
         self._warned = False
 
-    def pick(self, cookie: str | None, session_key: str | None = None, *, exclude: tuple[U, ...] = ()) -> Pin[U]:
+    def pick(
+        self,
+        cookie: str | None,
+        session_key: str | None = None,
+        *,
+        sid: str | None = None,
+        exclude: tuple[U, ...] = (),
+    ) -> Pin[U]:
         """The pinned upstream if the cookie is valid and its upstream healthy; else a new pin.
 
-        Health marks are guesses: when none is marked healthy, every upstream not yet tried is a
-        candidate, so a recovered server is used at once rather than after the next health check.
+        A new pin carries the cookie's session id, else `sid` (the id the request was sent with),
+        else a new one. Health marks are guesses: when none is marked healthy, every upstream not
+        yet tried is a candidate, so a recovered server is used at once rather than after the next
+        health check.
         """
         any_healthy = any(u.healthy for u in self.upstreams)
+        opened = self.signer.unsign(cookie) if cookie else None
+        if opened is not None and opened[1]:
+            sid = opened[1]  # the session keeps its id wherever its pin goes
         if cookie and not exclude:
-            name = self.signer.unsign(cookie)
-            upstream = self.by_name.get(name) if name is not None else None
+            upstream = self.by_name.get(opened[0]) if opened is not None else None
             if upstream is not None and (upstream.healthy or not any_healthy):
-                return Pin(upstream, None)
+                # An older pin, without a session id, is re-issued with one.
+                return Pin(upstream, None if opened and opened[1] else self.signer.sign(upstream.name, sid))
             if upstream is None and not self._warned:
                 self._warned = True  # log once: a forged or stale cookie is the client's business
                 log.info("ignoring an invalid, stale or unknown pin cookie; re-pinning (logged once)")
@@ -174,7 +205,7 @@ class Pinner(Generic[U]):
             upstream = max(candidates, key=lambda u: _score(session_key, u))
         else:
             upstream = self._place(candidates)
-        return Pin(upstream, self.signer.sign(upstream.name))
+        return Pin(upstream, self.signer.sign(upstream.name, sid))
 
     def _place(self, healthy: list[U]) -> U:
         if len(healthy) == 1:
