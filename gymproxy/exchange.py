@@ -150,6 +150,7 @@ class Translator(Protocol):
     """A client stream format (`convert.stream`): upstream SSE payloads in, the client's frames out."""
 
     ended: bool
+    usage: Any  # the stream's usage once seen (its last chunk's), for the token metrics
 
     def start(self) -> bytes: ...
     def payload(self, payload: bytes) -> bytes: ...
@@ -428,7 +429,9 @@ class Exchange:
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
-        return web.Response(body=answer.whole(chat, tokens, continued=backend.continued), content_type=JSON)
+        body = answer.whole(chat, tokens, continued=backend.continued)
+        self._count_usage(sent.upstream, chat.usage())
+        return web.Response(body=body, content_type=JSON)
 
     async def _stream(self, backend: Backend, answer: Answer, data: bytes) -> web.StreamResponse:
         sent = await self._send(backend.route, data)
@@ -445,6 +448,7 @@ class Exchange:
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
+                self._count_usage(sent.upstream, translator.usage)
                 if tail is not None:
                     await writer.end(tail)
             return response
@@ -524,6 +528,22 @@ class Exchange:
         if sent.pin is not None:
             caller.pin = sent.pin
         return sent
+
+    def _count_usage(self, upstream: Upstream, usage: Any) -> None:
+        """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`)."""
+        if usage is None:
+            return
+        if isinstance(usage, dict):
+            prompt, details = usage.get("prompt_tokens"), usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        else:  # a decoded `Usage`
+            prompt, details = usage.prompt_tokens, usage.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else None
+        metrics = self.proxy.metrics
+        if type(prompt) is int and prompt > 0:
+            metrics.prompt_tokens[upstream.name] += prompt
+        if type(cached) is int and cached > 0:
+            metrics.cached_prompt_tokens[upstream.name] += cached
 
     def _judge(self, status: int, payload: bytes) -> NoReturn:
         """An upstream error status: a context overflow answers locally (or is vLLM's own 400 when

@@ -51,6 +51,9 @@ class Metrics:
         self.duration = Histogram(DURATION_BUCKETS)
         self.ttfb = Histogram(TTFB_BUCKETS)
         self.overflows = 0
+        # From the upstream replies' `usage`, by upstream; cached/prompt is its prefix-cache hit rate.
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.cached_prompt_tokens: defaultdict[str, int] = defaultdict(int)
 
     def render(self, gauges: Iterable[tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]]) -> str:
         lines: list[str] = []
@@ -66,6 +69,16 @@ class Metrics:
             "Requests sent upstream, by upstream and status (0: no answer).",
             ("upstream", "status"),
             self.upstream_requests,
+        )
+        lines += _by_upstream(
+            "gymproxy_upstream_prompt_tokens_total",
+            "Prompt tokens of the replies read, by upstream (usage.prompt_tokens; relayed routes not counted).",
+            self.prompt_tokens,
+        )
+        lines += _by_upstream(
+            "gymproxy_upstream_cached_prompt_tokens_total",
+            "Of those, served from vLLM's prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            self.cached_prompt_tokens,
         )
         lines += [
             "# HELP gymproxy_context_overflows_total vLLM context-length 400s seen.",
@@ -83,6 +96,12 @@ def _counter(name: str, help_text: str, labels: tuple[str, str], values: dict[tu
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
     for (a, b), count in sorted(values.items()):
         lines.append(f'{name}{{{labels[0]}="{_escape(a)}",{labels[1]}="{b}"}} {count}')
+    return lines
+
+
+def _by_upstream(name: str, help_text: str, values: dict[str, int]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+    lines += [f'{name}{{upstream="{_escape(u)}"}} {count}' for u, count in sorted(values.items())]
     return lines
 
 

@@ -584,3 +584,33 @@ async def test_conversation_params_carry_the_session_id_when_configured(aiohttp_
     async with aiohttp.ClientSession() as session:
         await ask(session, plain)
     assert "conversation_params" not in fakes[1].requests[-1].json
+
+
+async def test_prompt_and_cached_tokens_are_counted_per_upstream(aiohttp_server, fake_vllm):
+    """From the usage of every reply gymproxy reads: chat and Responses, whole and streamed (a chat
+    stream only with the client's include_usage); a relayed route's reply is not read, so not counted."""
+    from gymproxy.testing.fake_vllm import Script
+
+    url = await start(aiohttp_server, [fake_vllm.url])
+    usage = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103}
+    usage["prompt_tokens_details"] = {"cached_tokens": 64}
+    fake_vllm.push(*(Script(content="ok", usage=usage) for _ in range(6)))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    bodies = [
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {**chat, "stream": True}),  # no usage chunk asked for: none to count
+        ("/v1/responses", {"model": "m", "input": "x"}),
+        ("/v1/responses", {"model": "m", "input": "x", "stream": True}),
+        ("/v1/completions", {"model": "m", "prompt": "x"}),  # relayed
+    ]
+    async with aiohttp.ClientSession() as session:
+        for path, body in bodies:
+            async with session.post(url + path, json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    name = fake_vllm.url
+    assert _metric(text, "gymproxy_upstream_prompt_tokens_total", upstream=name) == 400
+    assert _metric(text, "gymproxy_upstream_cached_prompt_tokens_total", upstream=name) == 256
