@@ -559,7 +559,10 @@ class Exchange:
         """Training mode: the prompt ids from the same upstream's /tokenize when the reply had none."""
         if info.prompt_token_ids is None:
             data = ENCODER.encode(backend.tokenize_body())
-            status, payload = await self.fleet.call(upstream, "tokenize", data, request_id=self.caller.request_id)
+            caller = self.caller
+            status, payload = await self.fleet.call(
+                upstream, "tokenize", data, request_id=caller.request_id, session_id=caller.session_id()
+            )
             if status != 200:
                 raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
             info.prompt_token_ids = prompt_ids_from_tokenize(

@@ -225,10 +225,16 @@ class Fleet:
             return Sent(pin.upstream, reply, pin.cookie)
 
     async def call(
-        self, upstream: Upstream, route: str, data: bytes, *, request_id: str | None = None
+        self,
+        upstream: Upstream,
+        route: str,
+        data: bytes,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize): status and body."""
-        reply = await self._attempt(upstream, route, data, "POST", request_id)
+        reply = await self._attempt(upstream, route, data, "POST", request_id, session_id=session_id)
         sent = Sent(upstream, reply, None)
         try:
             return reply.status, await read(reply)
