@@ -22,6 +22,7 @@ import msgspec
 from . import __version__, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
+from .peers import Peers
 
 log = logging.getLogger("gymproxy")
 
@@ -80,13 +81,18 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
         secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
         pinning = msgspec.structs.replace(config.pinning, secret=secret)
         config = msgspec.structs.replace(config, pinning=pinning)
-    runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))  # mode 0700
+    # The workers' private directory (mode 0700): the admin changes' overlay file, and the socket on
+    # which each worker serves its own metrics, so the one a scrape reaches answers for all (peers.py).
+    runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))
     overlay = runtime / "fleet.json"
     context = multiprocessing.get_context("spawn")
     children = []
     if fake_port is not None:
         children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
-    serving = [context.Process(target=_run_worker, args=(config, reload, overlay), daemon=True) for _ in range(workers)]
+    serving = [
+        context.Process(target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers), daemon=True)
+        for index in range(workers)
+    ]
     children += serving
     for child in children:
         child.start()
@@ -122,18 +128,18 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
             if child.is_alive():
                 child.kill()
                 child.join()
-    shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
 
-def _run_worker(config: Config, reload: Loader | None, overlay: Path) -> None:
+def _run_worker(config: Config, reload: Loader | None, overlay: Path, runtime: str, index: int, workers: int) -> None:
     # A SIGHUP before the loop handles it must not end the worker (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    server.run(config, reuse_port=True, reload=reload, overlay=overlay)
+    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=Peers(runtime, index, workers))
 
 
 def _run_fake(port: int, model: str) -> None:

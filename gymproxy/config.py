@@ -9,6 +9,7 @@ the `environ` argument.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -223,7 +224,6 @@ _UNSUPPORTED = {
     "endpoint_file": "publish the URL through `base_url` and restart instead",
     "supply_prefix_token_ids": "NeMo Gym's prefix-supply capture is out of gymproxy's scope",
     "audio_root": "the metadata audio side-channel is out of gymproxy's scope",
-    "forward_session_id_as_conversation_id": "gymproxy keeps no session ids",
 }
 
 _PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
@@ -262,10 +262,55 @@ def load_config(
     if name is not None:
         section.setdefault("name", name)
     for key, value in overrides.items():
-        # A --set name that is no placeholder but a config key overrides that key.
-        if key in Config.__struct_fields__ and key not in placeholders:
-            section[key] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
+        # A --set name that is a placeholder of the file resolves it (above); any other sets a key.
+        if key not in placeholders:
+            _set_key(section, key, value)
     return build_config(section, environ)
+
+
+def _set_key(section: dict[str, Any], key: str, value: str) -> None:
+    """`--set a.b.c=value`: set that (nested) key of `section`, or raise naming an unknown one.
+
+    The value stays a string (converted to the key's type by `build_config`) unless it reads as a
+    YAML list or mapping. Under a free-form mapping key (`default_headers`, `extra_body`, ...)
+    every name is allowed."""
+    parts = key.split(".")
+    info: msgspec.inspect.Type = msgspec.inspect.type_info(Config)
+    target = section
+    for depth, part in enumerate(parts):
+        struct = _struct_of(info)
+        if struct is not None:
+            fields = {field.name: field.type for field in struct.fields}
+            if part not in fields:
+                raise ConfigError(f"--set {key}: unknown key; {_known(parts[:depth], part, sorted(fields))}")
+            info = fields[part]
+        elif not _is_mapping(info):
+            raise ConfigError(f"--set {key}: `{'.'.join(parts[:depth])}` is not a section with keys")
+        if depth == len(parts) - 1:
+            target[part] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
+        else:
+            child = target.get(part)
+            target[part] = child = dict(child) if isinstance(child, dict) else {}
+            target = child
+
+
+def _struct_of(info: msgspec.inspect.Type) -> msgspec.inspect.StructType | None:
+    kinds = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return next((kind for kind in kinds if isinstance(kind, msgspec.inspect.StructType)), None)
+
+
+def _is_mapping(info: msgspec.inspect.Type) -> bool:
+    kinds = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    return any(isinstance(kind, msgspec.inspect.DictType) for kind in kinds)
+
+
+def _known(where: list[str], name: str, known: list[str]) -> str:
+    """The hint after `unknown key`: the closest key, or those the section has."""
+    prefix = "".join(f"{part}." for part in where)
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    return f"{'.'.join(where) or 'the config'} has {', '.join(known)}"
 
 
 def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Config:

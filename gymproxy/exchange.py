@@ -19,6 +19,7 @@ fails, at shutdown.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -53,7 +54,7 @@ from .errors import (
 from .fleet import Fleet, Sent, Upstream, read
 from .http1 import Aborted, ClientError
 from .overflow import is_context_overflow, status_error, upstream_message
-from .pinning import cookie_header
+from .pinning import Signer, cookie_header, new_session_id
 from .schemas import ENCODER
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
@@ -68,6 +69,7 @@ log = logging.getLogger("gymproxy")
 JSON = "application/json"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
+MAX_SESSION_ID = 256  # longer session keys are sent upstream as a digest
 
 # Upstream troubles after the status line: a stream is ended with its terminal error event.
 READ_ERRORS = (
@@ -82,12 +84,20 @@ READ_ERRORS = (
 
 class Caller:
     """What the route layer knows of one client request: its id, the pin cookie and session key it
-    came with, and the pin its response must set (the fleet's choice for a new session)."""
+    came with, its session's id, and the pin its response must set (the fleet's choice for a new
+    session)."""
 
-    __slots__ = ("request_id", "cookie", "key", "pin", "route", "start", "_pinning")
+    __slots__ = ("request_id", "cookie", "key", "pin", "route", "start", "_pinning", "_signer", "_sid", "_session")
 
     def __init__(
-        self, request_id: str, cookie: str | None, key: str | None, route: str, start: float, pinning: Pinning
+        self,
+        request_id: str,
+        cookie: str | None,
+        key: str | None,
+        route: str,
+        start: float,
+        pinning: Pinning,
+        signer: Signer,
     ) -> None:
         self.request_id = request_id
         self.cookie = cookie
@@ -96,6 +106,25 @@ class Caller:
         self.route = route  # for metrics
         self.start = start  # time.monotonic() when the request arrived
         self._pinning = pinning
+        self._signer = signer
+        self._sid: str | None = None
+        self._session: str | None = None
+
+    def cookie_sid(self) -> str:
+        """The id the session's pin cookie carries: the client's (if valid and it has one), else a
+        new one, which a new pin will carry."""
+        if self._sid is None:
+            opened = self._signer.unsign(self.cookie) if self.cookie else None
+            self._sid = opened[1] if opened is not None and opened[1] else new_session_id()
+        return self._sid
+
+    def session_id(self) -> str:
+        """The session's id for vLLM (`X-Session-ID`): its key when it has one, else `cookie_sid()`.
+        Read it once the route has added the body's keys."""
+        if self._session is None:
+            key = self.key
+            self._session = _header_safe(key) if key else self.cookie_sid()
+        return self._session
 
     def stamp(self, response: web.StreamResponse) -> None:
         """The headers every response carries: the request id, and a new session's pin cookie.
@@ -106,6 +135,14 @@ class Caller:
             response.headers.add("Set-Cookie", cookie_header(pinning.cookie_name, self.pin, pinning.max_age))
 
 
+def _header_safe(key: str) -> str:
+    """A session key as a header value: as it is when printable ASCII and short, else a digest
+    (keys from a body, `prompt_cache_key` or `user`, may hold anything, line breaks included)."""
+    if len(key) <= MAX_SESSION_ID and key.isascii() and key.isprintable():
+        return key
+    return "sha256-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
 # --- the two sides of an exchange ------------------------------------------------------------------
 
 
@@ -113,6 +150,7 @@ class Translator(Protocol):
     """A client stream format (`convert.stream`): upstream SSE payloads in, the client's frames out."""
 
     ended: bool
+    usage: Any  # the stream's usage once seen (its last chunk's), for the token metrics
 
     def start(self) -> bytes: ...
     def payload(self, payload: bytes) -> bytes: ...
@@ -151,15 +189,20 @@ class ChatBackend:
     route = "chat"
     reasoning = True
 
-    def __init__(self, boundary: Boundary, body: dict[str, Any], *, built: bool = False) -> None:
+    def __init__(
+        self, boundary: Boundary, body: dict[str, Any], *, built: bool = False, conversation_id: str | None = None
+    ) -> None:
         self.boundary = boundary
         self.body = body
         self.built = built
+        self.conversation_id = conversation_id  # `forward_session_id_as_conversation_id`: the session's id
         self.continued = False
 
     async def prepare(self) -> bytes:
         body = self.body = self.boundary.prepare(self.body, built=self.built)
         self.continued = body.get("continue_final_message") is True
+        if self.conversation_id is not None:
+            body["conversation_params"] = {"conversation_id": self.conversation_id}
         return ENCODER.encode(body)
 
     def reply(self, payload: bytes, source: str) -> ChatReply:
@@ -386,7 +429,9 @@ class Exchange:
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
-        return web.Response(body=answer.whole(chat, tokens, continued=backend.continued), content_type=JSON)
+        body = answer.whole(chat, tokens, continued=backend.continued)
+        self._count_usage(sent.upstream, chat.usage())
+        return web.Response(body=body, content_type=JSON)
 
     async def _stream(self, backend: Backend, answer: Answer, data: bytes) -> web.StreamResponse:
         sent = await self._send(backend.route, data)
@@ -403,6 +448,7 @@ class Exchange:
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
+                self._count_usage(sent.upstream, translator.usage)
                 if tail is not None:
                     await writer.end(tail)
             return response
@@ -473,6 +519,8 @@ class Exchange:
             method=method,
             cookie=caller.cookie,
             key=caller.key,
+            sid=caller.cookie_sid(),
+            session_id=caller.session_id(),
             request_id=caller.request_id,
             query=query,
             headers=headers,
@@ -480,6 +528,22 @@ class Exchange:
         if sent.pin is not None:
             caller.pin = sent.pin
         return sent
+
+    def _count_usage(self, upstream: Upstream, usage: Any) -> None:
+        """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`)."""
+        if usage is None:
+            return
+        if isinstance(usage, dict):
+            prompt, details = usage.get("prompt_tokens"), usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        else:  # a decoded `Usage`
+            prompt, details = usage.prompt_tokens, usage.prompt_tokens_details
+            cached = details.cached_tokens if details is not None else None
+        metrics = self.proxy.metrics
+        if type(prompt) is int and prompt > 0:
+            metrics.prompt_tokens[upstream.name] += prompt
+        if type(cached) is int and cached > 0:
+            metrics.cached_prompt_tokens[upstream.name] += cached
 
     def _judge(self, status: int, payload: bytes) -> NoReturn:
         """An upstream error status: a context overflow answers locally (or is vLLM's own 400 when
@@ -495,7 +559,10 @@ class Exchange:
         """Training mode: the prompt ids from the same upstream's /tokenize when the reply had none."""
         if info.prompt_token_ids is None:
             data = ENCODER.encode(backend.tokenize_body())
-            status, payload = await self.fleet.call(upstream, "tokenize", data, request_id=self.caller.request_id)
+            caller = self.caller
+            status, payload = await self.fleet.call(
+                upstream, "tokenize", data, request_id=caller.request_id, session_id=caller.session_id()
+            )
             if status != 200:
                 raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")
             info.prompt_token_ids = prompt_ids_from_tokenize(

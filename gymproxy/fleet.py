@@ -326,6 +326,8 @@ class Fleet:
         method: str = "POST",
         cookie: str | None = None,
         key: str | None = None,
+        sid: str | None = None,
+        session_id: str | None = None,
         request_id: str | None = None,
         query: str | None = None,
         headers: Mapping[str, str] | None = None,
@@ -339,8 +341,9 @@ class Fleet:
         after this returns (the caller may have sent bytes to its client by then).
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
-        upstream's own (its key, `default_headers`), which they never replace."""
-        extra = (query, headers)
+        upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
+        `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
+        extra = (query, headers, session_id)
         single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
         budget = self.config.retries
         loop = asyncio.get_running_loop()
@@ -355,7 +358,7 @@ class Fleet:
             if single:
                 upstream, pin = self.upstreams[0], None
             else:
-                chosen = self.pinner.pick(cookie, key, exclude=tuple(tried), reason=reason)
+                chosen = self.pinner.pick(cookie, key, sid=sid, exclude=tuple(tried), reason=reason)
                 upstream, pin = chosen.upstream, chosen.cookie
                 upstream.breaker.admit()
             attempt += 1
@@ -427,10 +430,16 @@ class Fleet:
                 await asyncio.sleep(wait)
 
     async def call(
-        self, upstream: Upstream, route: str, data: bytes, *, request_id: str | None = None
+        self,
+        upstream: Upstream,
+        route: str,
+        data: bytes,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
     ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize): status and body."""
-        reply = await self._attempt(upstream, route, data, "POST", request_id)
+        reply = await self._attempt(upstream, route, data, "POST", request_id, session_id=session_id)
         sent = Sent(upstream, reply, None)
         try:
             return reply.status, await read(reply)
@@ -449,6 +458,7 @@ class Fleet:
         request_id: str | None,
         query: str | None = None,
         extra: Mapping[str, str] | None = None,
+        session_id: str | None = None,
         *,
         fresh: bool = False,
     ) -> Reply:
@@ -460,9 +470,17 @@ class Fleet:
         headers = upstream.json_headers if data is not None else upstream.headers
         if extra:
             names = upstream.header_names
+            if session_id is not None:
+                names = names | {"x-session-id"}
             headers = {**{k: v for k, v in extra.items() if k.lower() not in names}, **headers}
         if request_id is not None:
-            headers = {**headers, "X-Request-Id": request_id}
+            if session_id is not None:
+                # vLLM attaches X-Session-ID to its KV events; a client's own is replaced by the session's.
+                headers = {**headers, "X-Request-Id": request_id, "X-Session-ID": session_id}
+            else:
+                headers = {**headers, "X-Request-Id": request_id}
+        elif session_id is not None:
+            headers = {**headers, "X-Session-ID": session_id}
         await upstream.acquire()
         try:
             reply = await self.client.request(method, url, headers, data, fresh=fresh)

@@ -2,14 +2,15 @@
 
 No global registry: each mounted gymproxy owns one `Metrics`, so two apps (or two tests) in one
 process never mix their numbers. Recording is a dict update or a bisect, cheap enough for the hot
-path.
+path. `merge` folds the texts of the workers of one `gymproxy serve --workers N` into one scrape
+(see `peers`): counters and histograms summed per label set, gauges summed or labelled per worker.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -36,9 +37,9 @@ class Histogram:
             cumulative = 0.0
             for bound, count in zip((*self.buckets, "+Inf"), series, strict=False):
                 cumulative += count
-                yield f'{name}_bucket{{{label_name}="{label}",le="{bound}"}} {cumulative:g}'
-            yield f'{name}_count{{{label_name}="{label}"}} {cumulative:g}'
-            yield f'{name}_sum{{{label_name}="{label}"}} {series[-1]:.6f}'
+                yield f'{name}_bucket{{{label_name}="{label}",le="{bound}"}} {number(cumulative)}'
+            yield f'{name}_count{{{label_name}="{label}"}} {number(cumulative)}'
+            yield f'{name}_sum{{{label_name}="{label}"}} {number(series[-1])}'
 
 
 class Metrics:
@@ -50,6 +51,9 @@ class Metrics:
         self.duration = Histogram(DURATION_BUCKETS)
         self.ttfb = Histogram(TTFB_BUCKETS)
         self.overflows = 0
+        # From the upstream replies' `usage`, by upstream; cached/prompt is its prefix-cache hit rate.
+        self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.cached_prompt_tokens: defaultdict[str, int] = defaultdict(int)
 
     def render(self, gauges: Iterable[tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]]) -> str:
         lines: list[str] = []
@@ -66,6 +70,16 @@ class Metrics:
             ("upstream", "status"),
             self.upstream_requests,
         )
+        lines += _by_upstream(
+            "gymproxy_upstream_prompt_tokens_total",
+            "Prompt tokens of the replies read, by upstream (usage.prompt_tokens; relayed routes not counted).",
+            self.prompt_tokens,
+        )
+        lines += _by_upstream(
+            "gymproxy_upstream_cached_prompt_tokens_total",
+            "Of those, served from vLLM's prefix cache (usage.prompt_tokens_details.cached_tokens).",
+            self.cached_prompt_tokens,
+        )
         lines += [
             "# HELP gymproxy_context_overflows_total vLLM context-length 400s seen.",
             "# TYPE gymproxy_context_overflows_total counter",
@@ -74,7 +88,7 @@ class Metrics:
         for name, kind, help_text, values in gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for label, value in values():
-                lines.append(f"{name}{label} {value:g}")
+                lines.append(f"{name}{label} {number(value)}")
         return "\n".join(lines) + "\n"
 
 
@@ -82,6 +96,12 @@ def _counter(name: str, help_text: str, labels: tuple[str, str], values: dict[tu
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
     for (a, b), count in sorted(values.items()):
         lines.append(f'{name}{{{labels[0]}="{_escape(a)}",{labels[1]}="{b}"}} {count}')
+    return lines
+
+
+def _by_upstream(name: str, help_text: str, values: dict[str, int]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+    lines += [f'{name}{{upstream="{_escape(u)}"}} {count}' for u, count in sorted(values.items())]
     return lines
 
 
@@ -93,3 +113,86 @@ def label(**labels: str) -> str:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def number(value: float) -> str:
+    """A sample value, exact: `:g` would print 1234567 requests as 1.23457e+06."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+# Gauges whose value for the whole server is the sum of the workers' (each worker has its own
+# connections and slots). Every other gauge is a per-worker fact (a worker's own health checks, its
+# own circuit breaker) and keeps one series per worker, labelled `worker`.
+SUMMED_GAUGES = frozenset({"gymproxy_upstream_inflight"})
+SUMMED_KINDS = frozenset({"counter", "histogram", "summary", "untyped"})
+
+
+class _Family:
+    __slots__ = ("help", "kind", "samples")
+
+    def __init__(self) -> None:
+        self.help = ""
+        self.kind = "untyped"
+        self.samples: dict[str, float] = {}  # `name{labels}` -> value, in first-seen order
+
+
+def merge(texts: Sequence[str | None]) -> str:
+    """One scrape from the texts of every worker (index = worker; None: it did not answer in time).
+
+    Counters and histogram buckets, sums and counts add up per label set, so a rate over the result
+    counts each request once. Gauges in `SUMMED_GAUGES` add up too; every other gauge gets a
+    `worker` label. `gymproxy_metrics_workers`, `gymproxy_metrics_workers_missing` and
+    `gymproxy_metrics_worker_up{worker}` say whose numbers are in it.
+    """
+    families: dict[str, _Family] = {}
+    for worker, text in enumerate(texts):
+        if text is not None:
+            _fold(families, text, str(worker))
+    lines: list[str] = []
+    for name, family in families.items():
+        lines += [f"# HELP {name} {family.help}", f"# TYPE {name} {family.kind}"]
+        lines += [f"{series} {number(value)}" for series, value in family.samples.items()]
+    missing = [str(worker) for worker, text in enumerate(texts) if text is None]
+    lines += [
+        "# HELP gymproxy_metrics_workers Worker processes this scrape should cover.",
+        "# TYPE gymproxy_metrics_workers gauge",
+        f"gymproxy_metrics_workers {len(texts)}",
+        "# HELP gymproxy_metrics_workers_missing Workers that did not answer this scrape in time (their numbers are left out).",
+        "# TYPE gymproxy_metrics_workers_missing gauge",
+        f"gymproxy_metrics_workers_missing {len(missing)}",
+        "# HELP gymproxy_metrics_worker_up 1 if the worker's numbers are in this scrape.",
+        "# TYPE gymproxy_metrics_worker_up gauge",
+    ]
+    lines += [f'gymproxy_metrics_worker_up{{worker="{w}"}} {int(t is not None)}' for w, t in enumerate(texts)]
+    return "\n".join(lines) + "\n"
+
+
+def _fold(families: dict[str, _Family], text: str, worker: str) -> None:
+    """Add one worker's text (as `Metrics.render` writes it: each family's samples follow its TYPE)."""
+    family = _Family()
+    for line in text.splitlines():
+        if line.startswith("# "):
+            _, directive, name, *rest = line.split(" ", 3)
+            family = families.setdefault(name, _Family())
+            if directive == "HELP":
+                family.help = rest[0] if rest else ""
+            elif directive == "TYPE" and rest:
+                family.kind = rest[0]
+            continue
+        if not line:
+            continue
+        series, _, value = line.rpartition(" ")
+        if family.kind not in SUMMED_KINDS and not _summed_gauge(series):
+            series = _with_worker(series, worker)
+        family.samples[series] = family.samples.get(series, 0.0) + float(value)
+
+
+def _summed_gauge(series: str) -> bool:
+    return series.partition("{")[0] in SUMMED_GAUGES
+
+
+def _with_worker(series: str, worker: str) -> str:
+    if series.endswith("}"):
+        return f'{series[:-1]},worker="{worker}"}}'
+    return f'{series}{{worker="{worker}"}}'

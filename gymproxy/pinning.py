@@ -1,7 +1,7 @@
 """Session pinning: which upstream serves a request, and the signed cookie that remembers it.
 
-The cookie is the whole state. Its value names the upstream, when it was issued, and an
-HMAC-SHA256 over both under a shared secret, so any worker process, any replica with the same
+The cookie is the whole state. Its value names the upstream, the session's id, when it was issued,
+and an HMAC-SHA256 over the three under a shared secret, so any worker process, any replica with the same
 secret, or a restarted gymproxy routes it the same way, and no session table grows in memory.
 A cookie that is forged, stale, malformed or names an upstream no longer configured is ignored
 and the session is pinned afresh. Clients without a cookie jar (agent harnesses such as Codex CLI
@@ -9,6 +9,10 @@ and Claude Code never return one) key their session instead: with a session head
 (`pinning.session_headers`), Responses' `prompt_cache_key`, or the body's `user`, in that order.
 Those keys map to an upstream by rendezvous hashing, so adding or removing one upstream moves only
 its own share of sessions, under a load bound (see `Pinner`) so that no engine runs hot.
+
+Every session has an id, sent to vLLM as `X-Session-ID`: its key when it has one, else the id its
+cookie carries, minted before its first request is sent (`new_session_id`) and kept when the pin
+is re-signed for another upstream.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hmac
 import logging
 import math
 import random
+import secrets
 import struct
 import time
 from collections.abc import Callable
@@ -33,29 +38,30 @@ VERIFIED_CACHE = 65536  # pins remembered as verified, per process
 
 
 class Signer:
-    """Signs and checks pin values `<name>.<issued>.<mac>` (base64url, no padding)."""
+    """Signs and checks pin values `<name>.<sid>.<issued>.<mac>` (name and mac base64url, no padding).
+
+    `sid` is the session's id (`new_session_id`). A pin in the older `<name>.<issued>.<mac>` form,
+    from before pins carried one, is still valid: `unsign` gives it the sid "", and the pinner
+    re-issues it in the new form for the same upstream.
+    """
 
     def __init__(self, secret: bytes, max_age: float) -> None:
         self._secret = secret
         self.max_age = max_age
-        self._recent: dict[str, tuple[int, str]] = {}  # name -> (second, pin): one HMAC a second
-        self._verified: dict[str, tuple[str, int]] = {}  # pin -> (name, issued): one HMAC per pin
+        self._verified: dict[str, tuple[str, str, int]] = {}  # pin -> (name, sid, issued): one HMAC per pin
 
-    def sign(self, name: str, issued: int | None = None) -> str:
+    def sign(self, name: str, sid: str | None = None, *, issued: int | None = None) -> str:
+        """A pin of session `sid` (a new id when None) to the upstream `name`; re-sign with the
+        session's own sid when its pin moves, so the session keeps its id."""
+        if sid is None:
+            sid = new_session_id()
         if issued is None:
             issued = int(time.time())
-            recent = self._recent.get(name)
-            if recent is not None and recent[0] == issued:
-                return recent[1]
-            pin = self.sign(name, issued)
-            self._recent[name] = (issued, pin)
-            return pin
-        encoded = _b64(name.encode())
-        payload = f"{encoded}.{issued}"
+        payload = f"{_b64(name.encode())}.{sid}.{issued}"
         return f"{payload}.{self._mac(payload)}"
 
-    def unsign(self, value: str) -> str | None:
-        """The upstream name in a valid, fresh pin; None for anything else."""
+    def unsign(self, value: str) -> tuple[str, str] | None:
+        """(upstream name, session id) of a valid, fresh pin (sid "" for an older pin); None for anything else."""
         known = self._verified.get(value)
         if known is None:
             known = self._verify(value)
@@ -64,25 +70,38 @@ class Signer:
             if len(self._verified) >= VERIFIED_CACHE:
                 self._verified.clear()  # bounded: a cache, never a session table
             self._verified[value] = known
-        name, issued = known
-        return name if time.time() - issued <= self.max_age else None
+        name, sid, issued = known
+        return (name, sid) if time.time() - issued <= self.max_age else None
 
-    def _verify(self, value: str) -> tuple[str, int] | None:
+    def _verify(self, value: str) -> tuple[str, str, int] | None:
         if not value.isascii():
             return None
-        encoded, sep, rest = value.partition(".")
-        issued, sep2, mac = rest.partition(".")
-        if not (sep and sep2 and issued.isdigit()):
+        parts = value.split(".")
+        if len(parts) == 4:
+            encoded, sid, issued, mac = parts
+            if not (sid and _SID_CHARS.issuperset(sid)):
+                return None
+        elif len(parts) == 3:  # the older form, without a session id
+            (encoded, issued, mac), sid = parts, ""
+        else:
             return None
-        if not hmac.compare_digest(mac, self._mac(f"{encoded}.{issued}")):
+        if not issued.isdigit() or not hmac.compare_digest(mac, self._mac(value[: -len(mac) - 1])):
             return None
         try:
-            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode(), int(issued)
+            return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode(), sid, int(issued)
         except (ValueError, UnicodeDecodeError):
             return None
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._secret, payload.encode(), hashlib.sha256).digest())
+
+
+_SID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def new_session_id() -> str:
+    """A fresh session id: 16 base64url characters (96 random bits)."""
+    return secrets.token_urlsafe(12)
 
 
 def _b64(data: bytes) -> str:
@@ -207,22 +226,31 @@ class Pinner(Generic[U]):
         cookie: str | None,
         session_key: str | None = None,
         *,
+        sid: str | None = None,
         exclude: tuple[U, ...] = (),
         reason: str = "down",
     ) -> Pin[U]:
         """The session's upstream while it is fine; else its next choice, with the new pin to set.
 
         `exclude` are upstreams this request already failed on (`reason` says why: `down` or
-        `busy`). Health marks are guesses: when none is marked healthy, every upstream not yet
-        tried is a candidate, so a recovered server is used at once rather than after the next check.
+        `busy`). A new pin carries the cookie's session id, else `sid` (the id the request was sent
+        with), else a new one. Health marks are guesses: when none is marked healthy, every upstream
+        not yet tried is a candidate, so a recovered server is used at once rather than after the
+        next check.
         """
         if not self.upstreams:
             raise NoUpstream("no upstream is configured: the fleet is empty")
         home: U | None = None
         why: str | None = None
+        old_format = False
         if cookie:
-            name = self.signer.unsign(cookie)
-            if name is not None:
+            opened = self.signer.unsign(cookie)
+            if opened is not None:
+                name, cookie_sid = opened
+                if cookie_sid:
+                    sid = cookie_sid  # the session keeps its id wherever its pin goes
+                else:
+                    old_format = True  # an older pin, without a session id: re-issued with one
                 home = self.by_name.get(name)
                 if home is None:
                     why = "removed"
@@ -238,14 +266,15 @@ class Pinner(Generic[U]):
         if home is not None:
             why = reason if home in exclude else self._trouble(home)
             if why is None:
-                if keyed_only:
-                    return Pin(home, self.signer.sign(home.name))
+                if keyed_only or old_format:
+                    return Pin(home, self.signer.sign(home.name, sid))
                 return Pin(home, None)  # the common case: a valid pin on a fine upstream
         leaving = (*exclude, home) if home is not None else exclude
         candidates = self._eligible(leaving)
         if not candidates:
             if home is not None and why == "overloaded":
-                return Pin(home, None if cookie and not keyed_only else self.signer.sign(home.name))
+                keep = cookie and not keyed_only and not old_format
+                return Pin(home, None if keep else self.signer.sign(home.name, sid))
             raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
         order_key = session_key or cookie
         upstream = self._bounded(order_key, candidates) if order_key else self._place(candidates)
@@ -259,7 +288,7 @@ class Pinner(Generic[U]):
         if keyed_only:
             assert session_key is not None
             self._remember(session_key, upstream)
-        return Pin(upstream, self.signer.sign(upstream.name))
+        return Pin(upstream, self.signer.sign(upstream.name, sid))
 
     def _trouble(self, upstream: U) -> str | None:
         """Why a session should leave `upstream` now, or None while it is fine. O(1) unless it looks overloaded."""

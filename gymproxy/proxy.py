@@ -18,6 +18,7 @@ from .fleet import Change, Fleet, upstream_name
 from .http1 import Aborted
 from .metrics import Metrics
 from .overlay import Changes, Overlay
+from .peers import Peers
 from .templates import ChatTemplate
 
 log = logging.getLogger("gymproxy")
@@ -57,6 +58,7 @@ class Proxy:
         self.resolve: discovery.Resolve = discovery.resolve  # for `upstreams_dns` (tests inject their own)
         self.discovered: list[UpstreamSpec] = []
         self._dns_failure: str | None = None
+        self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
@@ -167,6 +169,10 @@ class Proxy:
         if self.fleet.client.in_use:
             log.warning("shutdown grace over: ending %d upstream requests in flight", self.fleet.client.in_use)
         self.fleet.client.abort(Aborted(SHUTTING_DOWN))
+
+    def render_metrics(self) -> str:
+        """This process's own `/metrics` text."""
+        return self.metrics.render(self.fleet.gauges())
 
     async def close(self) -> None:
         self.fleet.stop()

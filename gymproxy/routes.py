@@ -83,6 +83,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
     envelope, key_header, refused = dialect
     pinning = proxy.config.pinning
     cookie_name, session_headers = pinning.cookie_name, tuple(pinning.session_headers)
+    signer = proxy.fleet.pinner.signer
     clock = time.monotonic
 
     # One coroutine around the route: every await of a request passes through each layer.
@@ -96,6 +97,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             path,
             start,
             pinning,
+            signer,
         )
         try:
             if keys and not _authorized(request, keys, key_header):
@@ -134,7 +136,7 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        backend = ChatBackend(proxy.boundary, body, built=True)
+        backend = ChatBackend(proxy.boundary, body, built=True, conversation_id=_conversation_id(caller, config))
     return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
 
 
@@ -152,7 +154,7 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
             proxy.completions, proxy.template, warn, body, stream=stream, chat_client=True
         )
     else:
-        backend = ChatBackend(proxy.boundary, body)
+        backend = ChatBackend(proxy.boundary, body, conversation_id=_conversation_id(caller, config))
     return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
 
 
@@ -285,8 +287,16 @@ async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.Stream
 
 async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`GET /metrics` in the Prometheus text format."""
-    text = proxy.metrics.render(proxy.fleet.gauges())
+    text = proxy.render_metrics()
+    if proxy.peers is not None:  # one worker of several: the scrape covers them all
+        text = await proxy.peers.collect(text)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+def _conversation_id(caller: Caller, config: Config) -> str | None:
+    """The session's id for the chat body's `conversation_params`, when configured (NeMo Gym's
+    `forward_session_id_as_conversation_id`; the chat path only, as there)."""
+    return caller.session_id() if config.forward_session_id_as_conversation_id else None
 
 
 def _session_key(headers: Mapping[str, str], names: tuple[str, ...]) -> str | None:

@@ -25,6 +25,7 @@ from aiohttp import web
 
 from . import __version__
 from .config import Config, ConfigError
+from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
 from .proxy import Proxy
 from .routes import end_stalled_body
@@ -56,18 +57,20 @@ def run(
     reuse_port: bool = False,
     reload: Callable[[], Config] | None = None,
     overlay: Path | None = None,
+    peers: Peers | None = None,
 ) -> None:
     """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it.
 
     On SIGHUP, `reload()` reads the config again and its upstreams are applied live (`Proxy.reload`);
     a config it cannot read is logged and the fleet stays. With `overlay` (a worker of
     `--workers N`), the admin changes are shared through that file, and a change taken here is
-    announced to the parent with a SIGHUP, which it forwards to every worker."""
+    announced to the parent with a SIGHUP, which it forwards to every worker. With `peers` (a
+    worker too), its `/metrics` covers every worker."""
     raise_open_files(config.limits.open_files)
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay))
+        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers))
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -81,6 +84,7 @@ async def _serve(
     reuse_port: bool,
     reload: Callable[[], Config] | None,
     overlay: Path | None,
+    peers: Peers | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
@@ -89,6 +93,8 @@ async def _serve(
         proxy.overlay.path = overlay
         parent = os.getppid()
         proxy.notify = lambda: os.kill(parent, signal.SIGHUP)
+    if peers is not None:
+        app.cleanup_ctx.append(_peers(proxy, peers))
     if fake_port is not None:
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
     if config.access.admin_port is not None:
@@ -310,6 +316,16 @@ def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.A
         log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
         yield
         await runner.cleanup()
+
+    return lifetime
+
+
+def _peers(proxy: Any, peers: Peers) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        proxy.peers = peers
+        await peers.serve(proxy.render_metrics)
+        yield
+        await peers.close()
 
     return lifetime
 

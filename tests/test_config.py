@@ -38,7 +38,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
-    config = load_config(path, overrides=VALUES, environ={})
+    # Only the file's own placeholders: any other --set name is a config key, and these are none.
+    values = {name: value for name, value in VALUES.items() if f"${{{name}}}" in path.read_text()}
+    config = load_config(path, overrides=values, environ={})
     assert isinstance(config, Config)
     assert config.base_url == ["http://vllm:8000/v1"]
 
@@ -94,6 +96,74 @@ def test_set_overrides_a_key_and_converts_its_type(tmp_path: Path) -> None:
         write(tmp_path, NEMO), overrides={**VALUES, "uses_reasoning_parser": "false", "port": "9001"}, environ={}
     )
     assert config.uses_reasoning_parser is False and config.port == 9001
+
+
+def test_set_reaches_nested_keys(tmp_path: Path) -> None:
+    sets = {
+        "pinning.secret": "x",
+        "limits.max_client_connections": "100",
+        "timeouts.read": "30",
+        "default_headers.X-Team": "rl",
+        "access.api_keys": "[a, b]",
+    }
+    config = load_config(
+        write(tmp_path, "base_url: http://u/v1\npinning: {cookie_name: c}\n"), overrides=sets, environ={}
+    )
+    assert config.pinning.secret == "x" and config.pinning.cookie_name == "c"  # the file's other keys stay
+    assert config.limits.max_client_connections == 100 and config.timeouts.read == 30.0
+    assert config.default_headers == {"X-Team": "rl"} and config.access.api_keys == ["a", "b"]
+    with_secret = load_config(
+        None, overrides={"pinning.secret": "123"}, extra={"base_url": ["http://u/v1"]}, environ={}
+    )
+    assert with_secret.pinning.secret == "123"  # a string key keeps its digits as a string
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("pinning.secrte", "--set pinning.secrte: unknown key; did you mean pinning.secret?"),
+        ("timeoust.read", "--set timeoust.read: unknown key; did you mean timeouts?"),
+        ("bogus", "--set bogus: unknown key; the config has "),
+        ("pinning.secret.deeper", "--set pinning.secret.deeper: `pinning.secret` is not a section"),
+    ],
+)
+def test_set_of_an_unknown_key_is_an_error_naming_it(tmp_path: Path, name: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, "base_url: http://u/v1\n"), overrides={name: "1"}, environ={})
+    assert needle in str(error.value)
+
+
+def test_set_of_a_placeholder_still_resolves_it(tmp_path: Path) -> None:
+    """A --set name the file uses as ${name} keeps that meaning, even when it is a key's name too."""
+    config = load_config(
+        write(tmp_path, "base_url: http://u/v1\nmodel: ${port}\n"), overrides={"port": "m"}, environ={}
+    )
+    assert config.model == "m" and config.port == 8000
+
+
+def test_cli_set_nested_and_misspelt(tmp_path: Path) -> None:
+    text = "base_url: ${url}\n"
+    good = _check_config(str(write(tmp_path, text)), "--set=pinning.secret=x", "--set=timeouts.read=30")
+    assert good.returncode == 0, good.stderr
+    assert "${url} (base_url)" in good.stdout  # placeholders are still listed as given at serve time
+    bad = _check_config(str(write(tmp_path, text)), "--set=pinning.secrte=x")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "gymproxy: --set pinning.secrte: unknown key; did you mean pinning.secret?"
+    serve = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gymproxy",
+            "serve",
+            "--upstream",
+            "http://u/v1",
+            "--set",
+            "limits.max_client_conections=9",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert serve.returncode == 2 and "limits.max_client_conections: unknown key" in serve.stderr
 
 
 def test_reasoning_field_from_environment() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import os
 import re
 import signal
@@ -55,6 +58,12 @@ async def ask(session: aiohttp.ClientSession, url: str, cookie: str | None = Non
         return r
 
 
+def pinned_to(pin: str | None) -> str | None:
+    """The upstream a pin names (None: not a valid pin)."""
+    opened = Signer(SECRET.encode(), 3600).unsign(pin) if pin else None
+    return opened[0] if opened is not None else None
+
+
 def pin_of(response: aiohttp.ClientResponse) -> str | None:
     morsel = response.cookies.get(COOKIE)
     return morsel.value if morsel is not None else None
@@ -75,7 +84,7 @@ async def test_a_session_stays_on_one_upstream_and_sessions_spread(aiohttp_serve
                 assert later.status == 200 and pin_of(later) is None  # a valid pin is not re-set
             moved = [generations(f) - b for f, b in zip(fakes, before, strict=True)]
             assert sorted(moved) == [0, 0, 4], moved
-            pins.append(Signer(SECRET.encode(), 3600).unsign(pin))
+            pins.append(pinned_to(pin))
     assert len(set(pins)) == 3  # new sessions went to every upstream
 
 
@@ -95,7 +104,7 @@ async def test_forged_stale_malformed_and_unknown_cookies_are_repinned(aiohttp_s
             assert response.status == 200
             new = pin_of(response)
             assert new is not None and new != cookie
-            assert signer.unsign(new) in [f.url for f in fakes]
+            assert pinned_to(new) in [f.url for f in fakes]
 
 
 async def test_cookie_set_on_errors_of_a_new_session(aiohttp_server, fleet):
@@ -151,7 +160,7 @@ async def test_adding_an_upstream_keeps_existing_pins(aiohttp_server, fleet):
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
         pins = [pin_of(await ask(session, url_two)) for _ in range(6)]
         for pin in pins:
-            name = Signer(SECRET.encode(), 3600).unsign(pin)
+            name = pinned_to(pin)
             target = next(f for f in fakes if f.url == name)
             before = generations(target)
             response = await ask(session, url_three, pin)  # another replica, one more upstream
@@ -174,7 +183,7 @@ async def test_dead_upstream_fails_over_without_failed_requests(aiohttp_server, 
             statuses.append(response.status)
             new_pin = pin_of(response) or new_pin
         assert statuses == [200] * 10
-        assert new_pin is not None and signer.unsign(new_pin) != fakes[1].url
+        assert new_pin is not None and pinned_to(new_pin) != fakes[1].url
         async with session.get(url + "/health") as r:
             body = await r.json()
             assert r.status == 200
@@ -348,7 +357,7 @@ async def test_two_workers_pin_the_same_cookie_the_same_way(fleet):
                     await asyncio.sleep(0.1)
             pins = [pin_of(await ask(session, url)) for _ in range(3)]
             for pin in pins:
-                target = next(f for f in fakes if f.url == Signer(SECRET.encode(), 3600).unsign(pin))
+                target = next(f for f in fakes if f.url == pinned_to(pin))
                 before = generations(target)
                 for _ in range(8):  # a new connection each time: the kernel spreads them over both workers
                     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as fresh:
@@ -469,3 +478,140 @@ async def test_session_key_precedence(aiohttp_server, fleet):
                 assert r.status == 200
             moved = [after - b for after, b in zip(_served(fakes), before, strict=True)]
             assert moved == ([1, 0] if expected == "a" else [0, 1]), (headers, fields)
+
+
+# --- session ids ----------------------------------------------------------------------------------
+
+
+def session_ids(fakes: list[FakeVLLM]) -> list[str | None]:
+    """The X-Session-ID of each generation the fakes saw, in order of arrival per fake."""
+    return [
+        {k.lower(): v for k, v in r.headers.items()}.get("x-session-id")
+        for fake in fakes
+        for r in fake.requests
+        if r.path == "/v1/chat/completions"
+    ]
+
+
+def old_pin(name: str, secret: bytes = SECRET.encode()) -> str:
+    """A pin as gymproxy signed them before pins carried a session id: `<name>.<issued>.<mac>`."""
+    encoded = base64.urlsafe_b64encode(name.encode()).rstrip(b"=").decode()
+    payload = f"{encoded}.{int(time.time())}"
+    mac = base64.urlsafe_b64encode(hmac.new(secret, payload.encode(), hashlib.sha256).digest()).rstrip(b"=").decode()
+    return f"{payload}.{mac}"
+
+
+def test_a_pin_carries_its_session_id_and_an_old_pin_still_opens():
+    signer = Signer(b"s", 3600)
+    pin = signer.sign("http://a/v1", "abc_DEF-1")
+    assert pin.count(".") == 3 and signer.unsign(pin) == ("http://a/v1", "abc_DEF-1")
+    assert signer.unsign(signer.sign("b")) is not None and signer.unsign(signer.sign("b"))[1]  # a new id
+    assert signer.unsign(old_pin("http://a/v1", b"s")) == ("http://a/v1", "")
+    assert signer.unsign(old_pin("http://a/v1", b"other")) is None
+    encoded, sid, issued, mac = pin.split(".")
+    assert signer.unsign(f"{encoded}.other.{issued}.{mac}") is None  # the id is signed too
+    assert signer.unsign(f"{encoded}.{issued}.{mac}") is None
+
+
+async def test_a_cookie_session_keeps_one_session_id_from_its_first_request(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        first = pin_of(await ask(session, url))
+        await ask(session, url, first)
+        other = pin_of(await ask(session, url))
+        await ask(session, url, other)
+    assert first is not None and other is not None
+    ids = session_ids(fakes)
+    opened = [Signer(SECRET.encode(), 3600).unsign(pin) for pin in (first, other)]
+    sids = [o[1] for o in opened if o is not None]
+    assert len(set(sids)) == 2 and all(sids)  # two sessions, two ids
+    assert sorted(ids) == sorted([sids[0], sids[0], sids[1], sids[1]])  # the first request carried it already
+
+
+async def test_a_keyed_session_is_identified_by_its_key(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        for key in ("rollout-1", "rollout-1", "rollout-2"):
+            await ask(session, url, **{"session-id": key})
+        # A key from a body may hold anything: it goes upstream as a digest, never as raw line breaks.
+        async with session.post(
+            url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "user": "a\r\nb"}
+        ) as r:
+            assert r.status == 200
+    ids = session_ids(fakes)
+    keyed = sorted(i for i in ids if i and not i.startswith("sha256-"))
+    assert keyed == ["rollout-1", "rollout-1", "rollout-2"]
+    assert sum(1 for i in ids if i and i.startswith("sha256-")) == 1
+
+
+async def test_an_old_pin_routes_to_its_upstream_and_is_reissued_with_an_id(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes])
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        response = await ask(session, url, old_pin(fakes[2].url))
+        new = pin_of(response)
+        assert generations(fakes[2]) == 1 and new is not None
+        assert pin_of(await ask(session, url, new)) is None  # the new pin stands
+    opened = Signer(SECRET.encode(), 3600).unsign(new)
+    assert opened is not None and opened[0] == fakes[2].url and opened[1]
+    assert session_ids([fakes[2]]) == [opened[1], opened[1]]  # the old pin's request already had its id
+
+
+async def test_a_moved_pin_keeps_its_session_id(aiohttp_server, fleet):
+    fakes, servers = fleet
+    url = await start(aiohttp_server, [f.url for f in fakes], health={"interval": 60})
+    signer = Signer(SECRET.encode(), 3600)
+    pin = signer.sign(fakes[1].url, "moving-session")
+    await servers[1].close()
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        moved = pin_of(await ask(session, url, pin))
+    assert moved is not None and signer.unsign(moved) is not None
+    assert signer.unsign(moved)[0] != fakes[1].url and signer.unsign(moved)[1] == "moving-session"
+    assert session_ids(fakes) == ["moving-session"]
+
+
+async def test_conversation_params_carry_the_session_id_when_configured(aiohttp_server, fleet):
+    fakes, _ = fleet
+    url = await start(aiohttp_server, [fakes[0].url], forward_session_id_as_conversation_id=True)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+        await ask(session, url, **{"X-Session-ID": "s-1"})
+        async with session.post(url + "/v1/responses", json={"model": "m", "input": "x", "user": "u-2"}) as r:
+            assert r.status == 200
+    bodies = [r.json for r in fakes[0].requests if r.path == "/v1/chat/completions"]
+    assert [b["conversation_params"] for b in bodies] == [{"conversation_id": "s-1"}, {"conversation_id": "u-2"}]
+    plain = await start(aiohttp_server, [fakes[1].url])
+    async with aiohttp.ClientSession() as session:
+        await ask(session, plain)
+    assert "conversation_params" not in fakes[1].requests[-1].json
+
+
+async def test_prompt_and_cached_tokens_are_counted_per_upstream(aiohttp_server, fake_vllm):
+    """From the usage of every reply gymproxy reads: chat and Responses, whole and streamed (a chat
+    stream only with the client's include_usage); a relayed route's reply is not read, so not counted."""
+    from gymproxy.testing.fake_vllm import Script
+
+    url = await start(aiohttp_server, [fake_vllm.url])
+    usage = {"prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103}
+    usage["prompt_tokens_details"] = {"cached_tokens": 64}
+    fake_vllm.push(*(Script(content="ok", usage=usage) for _ in range(6)))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    bodies = [
+        ("/v1/chat/completions", chat),
+        ("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}),
+        ("/v1/chat/completions", {**chat, "stream": True}),  # no usage chunk asked for: none to count
+        ("/v1/responses", {"model": "m", "input": "x"}),
+        ("/v1/responses", {"model": "m", "input": "x", "stream": True}),
+        ("/v1/completions", {"model": "m", "prompt": "x"}),  # relayed
+    ]
+    async with aiohttp.ClientSession() as session:
+        for path, body in bodies:
+            async with session.post(url + path, json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    name = fake_vllm.url
+    assert _metric(text, "gymproxy_upstream_prompt_tokens_total", upstream=name) == 400
+    assert _metric(text, "gymproxy_upstream_cached_prompt_tokens_total", upstream=name) == 256

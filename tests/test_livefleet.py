@@ -63,7 +63,7 @@ async def test_a_new_upstream_takes_sessions_once_healthy_and_removed_pins_move(
     signer = Signer(SECRET.encode(), 3600)
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
         pins = [pin_of(await ask(session, url)) for _ in range(30)]
-        names = [signer.unsign(p) for p in pins if p]
+        names = [opened[0] for p in pins if p and (opened := signer.unsign(p))]
         assert len(names) == 30 and set(names) == {f.url for f in fleet[:3]}
         change = proxy.fleet.update([spec(f) for f in (fleet[0], fleet[1], fleet[3])])
         assert change.added == [fleet[3].url] and change.removed == [fleet[2].url] and not change.changed
@@ -73,7 +73,7 @@ async def test_a_new_upstream_takes_sessions_once_healthy_and_removed_pins_move(
             response = await ask(session, url, pin)
             assert response.status == 200
             if name == fleet[2].url:
-                assert signer.unsign(pin_of(response) or "") in (fleet[0].url, fleet[1].url, fleet[3].url)
+                assert (signer.unsign(pin_of(response) or "") or ("",))[0] in (fleet[0].url, fleet[1].url, fleet[3].url)
             else:
                 assert pin_of(response) is None  # the others stay where they are
     assert proxy.fleet.added == 1 and proxy.fleet.removed == 1

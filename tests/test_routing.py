@@ -152,7 +152,7 @@ def test_a_pin_far_over_the_bound_moves_and_its_cookie_is_re_signed():
     ups[1].inflight = 200
     pin = pinner.pick(cookie)
     assert pin.upstream is not ups[1] and pin.cookie is not None
-    assert SIGNER.unsign(pin.cookie) == pin.upstream.name
+    assert (SIGNER.unsign(pin.cookie) or ("",))[0] == pin.upstream.name
     assert pinner.moves["overloaded"] == 1
     again = pinner.pick(cookie)
     assert again.upstream is pin.upstream  # deterministic: the cookie is the key of its order
@@ -172,7 +172,7 @@ def test_a_pin_moves_off_a_down_breaker_open_or_removed_upstream():
     assert pinner.pick(cookie).upstream is ups[2]
     pinner.set_upstreams([u for u in ups if u is not ups[2]])
     pin = pinner.pick(cookie)
-    assert pin.upstream is not ups[2] and SIGNER.unsign(pin.cookie or "") == pin.upstream.name
+    assert pin.upstream is not ups[2] and (SIGNER.unsign(pin.cookie or "") or ("",))[0] == pin.upstream.name
     assert {k: v for k, v in pinner.moves.items() if v} == {"down": 1, "breaker": 1, "removed": 1}
 
 

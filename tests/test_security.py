@@ -132,6 +132,7 @@ async def test_client_headers_are_not_forwarded(start_proxy, fake_vllm):
         "content-type",
         "content-length",
         "x-request-id",
+        "x-session-id",  # gymproxy's own: the session's id (never a client's header as it came)
         "accept",
         "accept-encoding",
         "user-agent",

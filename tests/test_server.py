@@ -358,3 +358,42 @@ async def test_with_no_upstream_the_demo_fake_takes_what_agent_harnesses_send(tm
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
+
+
+async def test_every_scrape_of_two_workers_counts_every_request_once(fake_vllm, tmp_path):
+    """Whichever worker the kernel hands a scrape to, it reads 20 after 20 requests (it read a
+    random worker's own share: 7, 13, 13, 7, ...), and the per-upstream counts add up to it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    upstreams = [{"url": fake_vllm.url, "name": "a"}, {"url": fake_vllm.url, "name": "b"}]
+    async with Served(tmp_path, {"upstreams": upstreams}, "--workers", "2") as served:
+        await asyncio.sleep(1.0)  # the second worker is listening too
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        # A connection each, and no cookie jar: the kernel spreads them over both workers.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as session:
+            for _ in range(20):
+                async with session.post(served.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    await response.read()
+            scrapes = []
+            for _ in range(6):
+                async with session.get(served.url + "/metrics") as response:
+                    scrapes.append(await response.text())
+    assert served.log.count(" listening on http://") == 2
+    for text in scrapes:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+        def total(name: str, samples: list = samples, **labels: str) -> float:
+            return sum(
+                s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+            )
+
+        assert total("gymproxy_requests_total", route="/v1/chat/completions", status="200") == 20, text
+        assert total("gymproxy_request_duration_seconds_count", route="/v1/chat/completions") == 20
+        by_upstream = [total("gymproxy_upstream_requests_total", upstream=name) for name in ("a", "b")]
+        assert sum(by_upstream) == 20 and total("gymproxy_upstream_requests_total", status="200") == 20
+        assert total("gymproxy_pins_created_total") == 20
+        assert total("gymproxy_metrics_workers") == 2 and total("gymproxy_metrics_workers_missing") == 0
+        assert total("gymproxy_upstream_inflight") == 0
+        assert {s.labels.get("worker") for s in samples if s.name == "gymproxy_upstream_healthy"} == {"0", "1"}

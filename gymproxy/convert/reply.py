@@ -61,6 +61,7 @@ def has_reasoning(payload: bytes) -> bool:
 
 class _CompletionShape(msgspec.Struct):
     choices: msgspec.Raw  # checked for JSON syntax only, never built into objects
+    usage: Any = None  # read on the way, for the token metrics
 
 
 _SHAPE_CHECK = msgspec.json.Decoder(_CompletionShape)
@@ -72,12 +73,20 @@ class ChatReply:
     `source` names where it came from ("the upstream http://..."), for the 502 when it is broken.
     """
 
-    __slots__ = ("_payload", "_mapping", "source")
+    __slots__ = ("_payload", "_mapping", "_usage", "source")
 
     def __init__(self, payload: bytes | None, source: str, mapping: dict[str, Any] | None = None) -> None:
         self._payload = payload
         self._mapping = mapping
+        self._usage: Any = None
         self.source = source
+
+    def usage(self) -> Any:
+        """The reply's `usage` if the reply was already read (as a mapping, a completion or by
+        `check`); None otherwise: it is never parsed for this alone."""
+        if self._usage is not None:
+            return self._usage
+        return self._mapping.get("usage") if self._mapping is not None else None
 
     @property
     def payload(self) -> bytes:
@@ -100,14 +109,16 @@ class ChatReply:
     def completion(self) -> ChatCompletion:
         """The reply decoded into its typed form."""
         try:
-            return COMPLETION_DECODER.decode(self.payload)
+            completion = COMPLETION_DECODER.decode(self.payload)
         except msgspec.DecodeError as exc:
             raise UpstreamError(f"{self.source} sent an invalid chat completion: {exc}") from exc
+        self._usage = completion.usage
+        return completion
 
     def check(self) -> None:
         """A cheap check that a reply passed through untouched is a JSON object with `choices`."""
         try:
-            _SHAPE_CHECK.decode(self.payload)
+            self._usage = _SHAPE_CHECK.decode(self.payload).usage
         except msgspec.DecodeError as exc:
             raise UpstreamError(f"{self.source} sent an invalid chat completion: {exc}") from exc
 

@@ -559,6 +559,7 @@ class ChatReasoningFolder:
 
 class _ChunkCheck(msgspec.Struct):
     error: Any = None
+    usage: Any = None  # the last chunk's, with `stream_options.include_usage`: for the token metrics
 
 
 _CHUNK_CHECK = msgspec.json.Decoder(_ChunkCheck)
@@ -578,12 +579,16 @@ class ChatStream:
         self.folder = ChatReasoningFolder(continued=continued) if parser and reasoning else None
         self.refuse_reasoning = reasoning and not parser
         self.ended = False  # vLLM sent its error chunk: [DONE] is all that may follow
+        self.usage: Any = None
 
     def start(self) -> bytes:
         return b""
 
     def payload(self, payload: bytes) -> bytes:
-        if _CHUNK_CHECK.decode(payload).error is not None:
+        checked = _CHUNK_CHECK.decode(payload)
+        if checked.usage is not None:
+            self.usage = checked.usage
+        if checked.error is not None:
             self.ended = True
         elif self.folder is not None:
             if self.folder.needed(payload):
