@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shlex
 import shutil
@@ -104,8 +105,9 @@ class Workload:
 class Driver:
     """Keeps `sessions` agent sessions going against `url` until `stop`; records every turn."""
 
-    def __init__(self, work: Workload, url: str, tag: str) -> None:
+    def __init__(self, work: Workload, url: str, tag: str, *, rid_header: bool = True) -> None:
         self.work = work
+        self.rid_header = rid_header
         self.url = url + "/v1/chat/completions"
         self.tag = tag
         self.turns: list[Turn] = []
@@ -169,7 +171,11 @@ class Driver:
         max_tokens: int,
     ) -> str | None:
         body: dict[str, Any] = {"model": "sim", "messages": messages, "max_tokens": max_tokens}
-        headers = {"X-Request-Id": turn.rid}
+        # vllm-router's consistent_hash keys on X-Request-Id before the body's `user`: there the id
+        # goes in the body (vLLM's own `request_id` field), which the engines read too.
+        headers = {"X-Request-Id": turn.rid} if self.rid_header else {}
+        if not self.rid_header:
+            body["request_id"] = turn.rid
         if turn.kind == "cookie" and cookies:
             headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in cookies.items())
         elif turn.kind == "x-session-id":
@@ -230,13 +236,11 @@ def start_target(name: str, args: argparse.Namespace, upstreams: list[str], log_
         bases = [u.removesuffix("/v1") for u in upstreams]
         argv = [binary, "--host", LOOPBACK, "--port", str(port), "--policy", name.split(":", 1)[1]]
         argv += ["--worker-urls", *bases, "--log-level", "warning", "--health-check-interval-secs", "2"]
-        argv += ["--request-id-headers", "X-Request-Id"]
         service = Service(name, argv, port, log_dir, ready_path="/health")
     else:
         command = [sys.executable, "-m", "gymproxy"] if name == "gymproxy" else shlex.split(dict(args.variant)[name])
         argv = [*command, "serve", "--host", LOOPBACK, "--port", str(port), "--model", "sim"]
         argv += [a for u in upstreams for a in ("--upstream", u)]
-        argv += ["--set", "pinning.secret=fleetbench-secret", "--set", "health.interval=1"]
         argv += [a for item in args.set for a in ("--set", item)]
         service = Service(name, argv, port, log_dir, ready_path="/health")
     service.start()
@@ -257,19 +261,19 @@ def post(url: str, data: Any = None, timeout: float = 5) -> tuple[int, str]:
 
 
 def add_upstream(target: str, base: str, url: str) -> str:
-    """Tell the target about a new engine at `url` (ending in /v1); '' on success, else why not."""
+    """Tell the target about a new engine at `url` (ending in /v1); says how, or why it could not."""
     if target.startswith("vllm-router:"):
         engine = url.removesuffix("/v1")
         status, text = post(f"{base}/add_worker?url={engine}")
         if status // 100 == 2:
-            return ""
+            return "added by POST /add_worker"
         status2, text2 = post(f"{base}/workers", {"url": engine})
         if status2 // 100 == 2:
-            return ""
+            return "added by POST /workers"
         return f"needs a restart (POST /add_worker: {status}, POST /workers: {status2})"
     status, text = post(f"{base}/admin/upstreams", {"url": url})
     if status // 100 == 2:
-        return ""
+        return "added by POST /admin/upstreams"
     return f"needs a restart (POST /admin/upstreams: {status})"
 
 
@@ -296,7 +300,9 @@ def engine_specs(args: argparse.Namespace, scenario: Scenario) -> list[dict[str,
     return specs
 
 
-async def run_once(args: argparse.Namespace, scenario: Scenario, target: str, rep: int, log_dir: Path) -> dict[str, Any]:
+async def run_once(
+    args: argparse.Namespace, scenario: Scenario, target: str, rep: int, log_dir: Path
+) -> dict[str, Any]:
     specs = engine_specs(args, scenario)
     control = free_port()
     engines = Service(
@@ -312,7 +318,7 @@ async def run_once(args: argparse.Namespace, scenario: Scenario, target: str, re
         upstreams = [f"http://{LOOPBACK}:{s['port']}/v1" for s in specs if not s["late"]]
         service = start_target(target, args, upstreams, log_dir)
         work = Workload(sessions=args.sessions, seed=args.seed + rep)
-        driver = Driver(work, service.url, f"r{rep}")
+        driver = Driver(work, service.url, f"r{rep}", rid_header=not target.startswith("vllm-router:"))
         t0 = time.monotonic()
         window = (t0 + args.warmup, t0 + args.warmup + args.duration)
         event_time, event_note = 0.0, ""
@@ -479,13 +485,16 @@ def goal_checks(summary: dict[str, dict[str, dict[str, Any]]], engines: int) -> 
             if is_baseline(target):
                 continue
 
-            def check(ok: bool, what: str, target: str = target) -> None:
-                checks.append({"scenario": name, "target": target, "ok": bool(ok), "what": what})
+            def check(ok: bool, what: str, target: str = target, scenario: str = name) -> None:
+                checks.append({"scenario": scenario, "target": target, "ok": bool(ok), "what": what})
 
             if name in ("balanced", "gpu-prefill") and best is not None:
                 if sticky:
                     best_hit = max(s["hit"] for s in sticky.values())
-                    check(r["hit"] >= best_hit - 0.01, f"hit {100 * r['hit']:.1f}% >= best sticky {100 * best_hit:.1f}% - 1")
+                    check(
+                        r["hit"] >= best_hit - 0.01,
+                        f"hit {100 * r['hit']:.1f}% >= best sticky {100 * best_hit:.1f}% - 1",
+                    )
                 check(
                     r["turns_s"] >= best["turns_s"],
                     f"turns/s {r['turns_s']:.1f} >= best baseline {best['turns_s']:.1f} ({best['target']})",
@@ -495,9 +504,15 @@ def goal_checks(summary: dict[str, dict[str, dict[str, Any]]], engines: int) -> 
                     r["turns_s"] >= 1.05 * best["turns_s"],
                     f"turns/s {r['turns_s']:.1f} >= 1.05 x {best['turns_s']:.1f} ({best['target']})",
                 )
-                check((r["p99"] or 1e9) <= (best["p99"] or 0), f"p99 {_f(r['p99'], '.2f')} s <= {_f(best['p99'], '.2f')} s")
+                check(
+                    (r["p99"] or 1e9) <= (best["p99"] or 0),
+                    f"p99 {_f(r['p99'], '.2f')} s <= {_f(best['p99'], '.2f')} s",
+                )
             elif name == "add":
-                check(r.get("new_share", 0) >= 0.20, f"new engine serves {100 * r.get('new_share', 0):.1f}% >= 20% of tokens")
+                check(
+                    r.get("new_share", 0) >= 0.20,
+                    f"new engine serves {100 * r.get('new_share', 0):.1f}% >= 20% of tokens",
+                )
                 limit = r.get("existing", 0) / engines
                 check(
                     r.get("existing_moved", 0) <= limit,
@@ -575,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         targets.append(target)
     for line in skipped:
         print(f"skipped {line}", file=sys.stderr)
+    os.environ.setdefault("GYMPROXY_PIN_SECRET", "fleetbench")  # every gymproxy signs pins with one key
     log_dir = Path(tempfile.mkdtemp(prefix="fleetbench-"))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: defaultdict(list) for s in args.scenario_list}
     for name in args.scenario_list:

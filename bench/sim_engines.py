@@ -215,7 +215,9 @@ class Engine:
             return web.json_response({"error": {"message": f"no route {path}"}}, status=404)
         body = await request.json()
         rid = request.headers.get("X-Request-Id") or str(body.get("request_id") or id(body))
-        seq = Seq(rid, prompt_tokens(body.get("messages", [])), int(body.get("max_tokens") or 16), bool(body.get("stream")))
+        seq = Seq(
+            rid, prompt_tokens(body.get("messages", [])), int(body.get("max_tokens") or 16), bool(body.get("stream"))
+        )
         self.waiting.append(seq)
         self.wake.set()
         headers = {"X-Sim-Engine": self.name}
@@ -259,7 +261,12 @@ class Engine:
                 seq.done.set_result(False)
 
     def stats(self) -> dict[str, Any]:
-        return {"name": self.name, "url": f"http://127.0.0.1:{self.port}/v1", "alive": self.alive, "records": self.records}
+        return {
+            "name": self.name,
+            "url": f"http://127.0.0.1:{self.port}/v1",
+            "alive": self.alive,
+            "records": self.records,
+        }
 
 
 def _sse(obj: Any) -> bytes:
@@ -268,7 +275,7 @@ def _sse(obj: Any) -> bytes:
 
 async def serve(control_port: int, specs: list[dict[str, Any]]) -> None:
     engines = [Engine(i, spec) for i, spec in enumerate(specs)]
-    for engine, spec in zip(engines, specs):
+    for engine, spec in zip(engines, specs, strict=True):
         if not spec.get("late"):
             await engine.start()
 
