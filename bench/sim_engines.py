@@ -34,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 BLOCK = 16
+MAX_LAG = 0.1  # seconds an engine may fall behind its virtual clock before it stops catching up
 
 
 def prompt_tokens(messages: list[dict[str, Any]]) -> list[str]:
@@ -159,11 +160,15 @@ class Engine:
     # The batch.
 
     async def schedule(self) -> None:
+        # Steps follow a virtual clock: a step that woke late (a busy CPU) makes the next one
+        # shorter, so the simulated times hold on average instead of every overshoot adding up.
+        clock = time.monotonic()
         while True:
             if not self.running and not self.waiting:
                 self.wake.clear()
                 await self.wake.wait()
             now = time.monotonic()
+            clock = max(clock, now - MAX_LAG)
             stall = 0.0
             for seq in self.waiting:
                 hashes = block_hashes(seq.tokens)
@@ -173,14 +178,16 @@ class Engine:
                 if self.gpu_prefill:
                     stall += cost
                 else:
-                    seq.ready_at = now + cost
+                    seq.ready_at = clock + cost
                 self.running.append(seq)
             self.waiting.clear()
-            decoding = [s for s in self.running if s.ready_at <= now]
+            decoding = [s for s in self.running if s.ready_at <= clock]
             if not decoding and stall == 0.0:
-                await asyncio.sleep(max(0.0005, min(s.ready_at for s in self.running) - now))
+                clock = min(s.ready_at for s in self.running)
+                await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 continue
-            await asyncio.sleep((self.base + self.per_seq * len(self.running)) * self.slowdown + stall)
+            clock += (self.base + self.per_seq * len(self.running)) * self.slowdown + stall
+            await asyncio.sleep(max(0.0, clock - time.monotonic()))
             for seq in decoding:
                 if seq.done.done():  # the client went away
                     self.running.remove(seq)
