@@ -564,6 +564,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--check", action="store_true", help="exit 1 if a check fails")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    parser.add_argument("--render", metavar="FILE", help="print the tables of a --json result and run nothing")
     args = parser.parse_args(argv)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in args.scenario_list if s not in SCENARIOS]
@@ -575,6 +576,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        report = json.loads(Path(args.render).read_text())
+        print(render(report["summary"], report["checks"]))
+        return 1 if args.check and not all(c["ok"] for c in report["checks"]) else 0
     skipped = []
     targets = []
     for target in args.target_list:
