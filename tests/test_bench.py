@@ -94,3 +94,22 @@ def test_stages_times_each_stage_inside_the_server(tmp_path: Path) -> None:
         "stream: write to the client",
     ):
         assert calls.get(stage, 0) > 0, (stage, table)
+
+
+def test_fleet_simulates_a_kill_against_a_baseline_and_gymproxy() -> None:
+    result = run(
+        "fleet.py", "--scenarios", "kill", "--targets", "hash-mod-n,gymproxy", "--engines", "2", "--sessions", "4",
+        "--duration", "2", "--warmup", "0.5", "--event-at", "0.2", "--json",
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    rows = report["summary"]["kill"]
+    assert set(rows) == {"hash-mod-n", "gymproxy"}
+    for target, row in rows.items():
+        assert row["turns"] > 0 and row["turns_s"] > 0, target
+        assert 0 < row["hit"] <= 1, target  # both are sticky: later turns find their prefix cached
+        assert 0 < row["p50"] <= row["p99"], target
+        assert row["twice"] == 0, target
+        if row["share"]["e1"] > 0:  # e1 served sessions before it was killed: they failed or moved
+            assert row["failed"] > 0 or row["moved"] > 0, (target, row)
+    assert {c["target"] for c in report["checks"]} == {"gymproxy"}
+    assert any("completed twice" in c["what"] for c in report["checks"])
