@@ -99,7 +99,10 @@ async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp
     status, body, pin = await ask(url, a)
     assert status == 200, body
     assert a.generations() == 1 and sum(u.generations() for u in ups[1:]) == 1
-    assert pin is not None and (SIGNER.unsign(pin) or ("",))[0] not in ("", a.url)  # the session moved; its cookie says where
+    assert pin is not None and (SIGNER.unsign(pin) or ("",))[0] not in (
+        "",
+        a.url,
+    )  # the session moved; its cookie says where
     text = await metrics(url)
     assert f'gymproxy_retries_total{{reason="{reason}"}} 1' in text
     moved = "busy" if reason in ("busy", "paused") else "down"
