@@ -7,7 +7,7 @@ message names the URL that failed (never its credentials), so a wrong `base_url`
 A request is re-sent to the session's next upstream only when no upstream began it: the connection
 was refused, closed or reset before one reply byte (vLLM aborts a request whose connection closes),
 or vLLM answered its "busy" or "paused" 503; so no generation ever runs twice at once. Each upstream
-keeps a circuit breaker (`breaker.py`) fed by those same failures.
+keeps a circuit breaker (`pinning.Breaker`) fed by those same failures.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 from yarl import URL
 
-from .breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from .config import Config, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
@@ -40,7 +39,7 @@ from .errors import (
 )
 from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply
 from .metrics import Metrics, label
-from .pinning import Pinner, Signer, Tally
+from .pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pinner, Signer, Tally
 
 log = logging.getLogger("gymproxy")
 

@@ -10,9 +10,8 @@ import random
 
 import pytest
 
-from gymproxy.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from gymproxy.errors import NoUpstream
-from gymproxy.pinning import Pinner, Signer, _score
+from gymproxy.pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pinner, Signer, _score
 
 
 class Clock:
