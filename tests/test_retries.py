@@ -245,7 +245,11 @@ async def test_backoff_between_failures_of_one_kind_is_bounded(aiohttp_server, u
     assert sum(u.generations() for u in ups[:2]) == 5  # round again: every upstream was busy
 
 
-async def test_the_deadline_bounds_the_retries(aiohttp_server, ups):
+async def test_the_deadline_bounds_the_retries(aiohttp_server, ups, monkeypatch):
+    import gymproxy.fleet
+
+    # Jitter pinned to its maximum: with full jitter, 8 draws under 0.5 s in all happen 3% of the time.
+    monkeypatch.setattr(gymproxy.fleet.random, "uniform", lambda low, high: high)
     url, _ = await proxy(
         aiohttp_server, ups[:2], retries={"attempts": 50, "deadline_s": 0.5, "backoff_s": 0.2, "backoff_max_s": 0.2}
     )
@@ -254,7 +258,7 @@ async def test_the_deadline_bounds_the_retries(aiohttp_server, ups):
     started = time.monotonic()
     status, _, _ = await ask(url, ups[0])
     assert status == 503 and time.monotonic() - started < 1.5
-    assert sum(u.generations() for u in ups[:2]) < 10
+    assert 2 <= sum(u.generations() for u in ups[:2]) <= 5  # 0.2 s apart after the first failover
 
 
 # --- the breaker ---------------------------------------------------------------------------------
