@@ -100,6 +100,8 @@ def test_fleet_simulates_a_kill_against_a_baseline_and_gymproxy() -> None:
     result = run(
         "fleet.py", "--scenarios", "kill", "--targets", "hash-mod-n,gymproxy", "--engines", "2", "--sessions", "4",
         "--duration", "2", "--warmup", "0.5", "--event-at", "0.2", "--json",
+        # ~130 s since the new routing (27 s before): not yet explained, see the closing note of 2026-12-02.
+        timeout=300,
     )  # fmt: skip
     report = json.loads(result.stdout)
     rows = report["summary"]["kill"]
