@@ -408,7 +408,8 @@ def measure(
     }
     if scenario.event == "add" and event_time:
         late = stats[-1]["name"]
-        after = [r for rs in served.values() for r in rs[:1] if r[1] >= event_time]
+        # Requests sent after the engine was added: those in flight then could not have gone to it.
+        after = [r for t in driver.turns if t.start >= event_time for r in served.get(t.rid, [])[:1]]
         tokens = sum(r[2] + r[4] for r in after)
         row["new_share"] = sum(r[2] + r[4] for r in after if r[0] == late) / tokens if tokens else 0.0
         before: dict[str, set[str]] = defaultdict(set)
@@ -462,7 +463,8 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
     lines.append(
         "\n  hit: cached/prompt tokens; imbal: max/mean tokens per engine; moved: sessions served by 2+ engines;"
         "\n  failed: failed turns (all/non-streamed); twice: requests completed by 2 engines; new %: the"
-        "\n  added engine's share of tokens after it joined; exist moved: sessions from before that moved"
+        "\n  added engine's share of the tokens of requests sent after it was added; exist moved: sessions from"
+        "\n  before that moved"
     )
     if checks:
         lines.append("\nchecks (issue #14, against the best baseline of each scenario):")
