@@ -387,6 +387,17 @@ class Fleet:
                     self.retries[kind] += 1
                     continue
                 error: GymproxyError = exc
+            except Saturated:
+                upstream.breaker.abandon()
+                if single or len(tried) + 1 >= len(self.upstreams):
+                    raise  # every upstream is at its cap
+                # At its cap (`limits.when_full: reject`): it saw nothing, so the next one is asked
+                # at once, without a backoff and without counting against its breaker or the budget.
+                tried.append(upstream)
+                attempt -= 1
+                reason = "busy"
+                self.retries["full"] += 1
+                continue
             except BaseException:
                 upstream.breaker.abandon()
                 raise
@@ -680,7 +691,7 @@ class Fleet:
         yield (
             "gymproxy_retries_total",
             "counter",
-            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused).",
+            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused, full).",
             lambda: [(label(reason=reason), n) for reason, n in sorted(self.retries.items())],
         )
         yield (
