@@ -7,12 +7,14 @@ first with a cookie, makes that one misbehave, and checks who saw what, and when
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 
 import aiohttp
 import orjson
 import pytest
 
+from gymproxy.fleet import retry_after
 from gymproxy.pinning import CLOSED, Signer
 
 from .faults import (
@@ -194,6 +196,16 @@ async def test_retry_after_is_honoured(aiohttp_server, ups):
     started = time.monotonic()
     status, _, _ = await ask(url, ups[0])
     assert status == 200 and time.monotonic() - started >= 0.4
+
+
+def test_retry_after_reads_seconds_and_http_dates_and_ignores_the_rest():
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert retry_after({"retry-after": "2.5"}) == 2.5
+    assert 28 <= retry_after({"retry-after": soon}) <= 30
+    assert retry_after({"retry-after": email.utils.formatdate(time.time() - 60, usegmt=True)}) == 0.0  # past
+    for junk in ("-3", "soon", "", "nan", "Mon, 99 Foo 2026 99:99:99 GMT"):
+        assert retry_after({"retry-after": junk}) == 0.0, junk
+    assert retry_after({}) == 0.0
 
 
 async def test_a_retry_after_past_the_deadline_hands_on_vllms_503(aiohttp_server, ups):
