@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, server
+from . import __version__, launch, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
 from .peers import Peers
@@ -41,8 +42,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
-        urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
-        print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
+        if config.launch is not None:
+            print(f"ok: launches {config.launch.replicas} vLLM replica(s) of {config.launch.model}")
+        else:
+            urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
+            print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         if args._unresolved:
             given = ", ".join(f"${{{name}}} ({where})" for name, where in sorted(args._unresolved.items()))
             print(f"given at serve time (--set or the environment): {given}")
@@ -52,10 +56,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
     reload = Loader(args.config, dict(_pair(item) for item in args.set), args.server, args._extra)
-    if workers == 1:
+    if config.launch is not None:
+        _serve_launched(config, workers, reload)
+    elif workers == 1:
         server.run(config, fake_port=fake_port, reload=reload)
     else:
         serve_workers(config, workers, fake_port=fake_port, reload=reload)
+
+
+def _serve_launched(config: Config, workers: int, reload: Loader) -> None:
+    """`serve` with `launch`: gymproxy starts its vLLM replicas, and fails with status 1 when none starts."""
+    if workers != 1:
+        print(
+            "gymproxy: launch (--launch-vllm) runs one gymproxy process; drop --workers / num_workers", file=sys.stderr
+        )
+        raise SystemExit(2)
+    try:
+        launcher = launch.prepare(config)
+    except ConfigError as exc:
+        print(f"gymproxy: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        server.run(launcher.config, reload=reload, launcher=launcher)
+    except launch.LaunchFailed as exc:
+        log.error("%s", exc)
+        print(f"gymproxy: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 class Loader:
@@ -155,14 +181,38 @@ def _load(args: argparse.Namespace) -> Config:
         args._unresolved = None if args.strict else {}
         return load_config(args.file, overrides=overrides, server=args.server, unresolved=args._unresolved)
     extra: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model, "api_key": args.api_key}
+    launched = _launch_flags(args)
+    if launched:
+        extra["launch"] = launched
     if args.upstream:
         extra["base_url"] = args.upstream
-    elif args.config is None:
+    elif args.config is None and not args.launch_vllm:
         port = _free_port()
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
     args._extra = extra
     return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
+
+
+def _launch_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The `launch` keys the serve flags set (`--launch-vllm "MODEL ARGS..."`, `--replicas`, ...)."""
+    keys: dict[str, Any] = {}
+    if args.launch_vllm is not None:
+        try:
+            words = shlex.split(args.launch_vllm)
+        except ValueError as exc:
+            raise ConfigError(f"--launch-vllm: cannot split {args.launch_vllm!r}: {exc}") from None
+        if not words or words[0].startswith("-"):
+            raise ConfigError('--launch-vllm takes "MODEL [vllm serve args...]", the model first')
+        keys["model"], keys["args"] = words[0], words[1:]
+    flags = {
+        "replicas": args.replicas,
+        "gpus_per_replica": args.gpus_per_replica,
+        "vllm_bin": args.vllm_bin,
+        "log_dir": args.vllm_log_dir,
+    }
+    keys.update({key: value for key, value in flags.items() if value is not None})
+    return keys
 
 
 def _unstand(url: str) -> str:
@@ -203,6 +253,17 @@ def _parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="NAME=VALUE", help="resolve ${NAME} (or set a config key)"
     )
     serve.add_argument("--workers", type=int, help="worker processes sharing the port (default: num_workers or 1)")
+    serve.add_argument(
+        "--launch-vllm",
+        metavar='"MODEL [ARGS...]"',
+        help="start `vllm serve MODEL ARGS...` replicas and serve in front of them (the `launch` section)",
+    )
+    serve.add_argument("--replicas", type=int, help="vLLM replicas to launch (default 1)")
+    serve.add_argument(
+        "--gpus-per-replica", type=int, help="GPUs per replica (default: its parallel sizes; 0: a CPU vLLM)"
+    )
+    serve.add_argument("--vllm-bin", help="the vllm executable (default: `vllm` on PATH)")
+    serve.add_argument("--vllm-log-dir", help="write each replica's output to DIR/vllm-<i>.log, not to this log")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("file")
