@@ -440,6 +440,7 @@ class Launcher:
             return f"cannot start: port {replica.port} is taken by another process"
         replica.starts += 1
         replica.started = time.monotonic()
+        replica.tail.clear()  # an error names the lines of the life that failed
         log.info("%s starting (port %d): %s", replica.name, replica.port, shown_command(replica.argv))
         try:
             process = await asyncio.create_subprocess_exec(
