@@ -598,3 +598,19 @@ def test_check_config_says_what_it_launches(tmp_path: Path, capsys):
     path.write_text("launch: {model: tiny, replicas: 2}\n")
     cli.main(["check-config", str(path)])
     assert capsys.readouterr().out.strip() == "ok: launches 2 vLLM replica(s) of tiny"
+
+
+def test_the_reference_config_documents_every_launch_key():
+    """conf/gymproxy.yaml has `launch: null` (the test of test_config checks that) and, commented
+    below it, every key of the section at its default."""
+    import msgspec
+
+    from gymproxy.config import Restart
+
+    text = (Path(__file__).parent.parent / "conf" / "gymproxy.yaml").read_text()
+    block = text[text.index("\nlaunch: null") :].split("\n\n", 1)[0]
+    lines = [line[1:] for line in block.splitlines()[1:] if line.startswith("#   ") and ":" in line]
+    documented = yaml.safe_load("\n".join(line.split("  #", 1)[0].rstrip() for line in lines))
+    defaults = msgspec.to_builtins(Launch(model="Qwen/Qwen3-8B"))
+    defaults["restart"] = msgspec.to_builtins(Restart())
+    assert documented == defaults
