@@ -114,6 +114,8 @@ def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher
     has them as its upstreams; raises `ConfigError` naming the option when they cannot be run."""
     launch = config.launch
     assert launch is not None
+    if not port_free(config.port, config.host):  # found now, not after minutes of loading models
+        raise ConfigError(f"port: {config.host}:{config.port} (gymproxy's own, --port) is taken by another process")
     for arg in launch.args:
         if arg.split("=", 1)[0] in _MANAGED:
             raise ConfigError(
@@ -250,11 +252,16 @@ def _ports(launch: Launch) -> list[int]:
             sock.close()
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener could bind `host:port` now."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError:
+        return True  # a name that does not resolve: the listener reports it
+    with socket.socket(family) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT of the last run is no owner
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
     return True

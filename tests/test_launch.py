@@ -418,7 +418,7 @@ def test_bad_launch_input_is_an_error_naming_the_option(
     assert message in err and "Traceback" not in err
 
 
-def test_a_taken_base_port_is_an_error(vllm_bin: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+def test_a_taken_port_is_an_error_before_anything_starts(vllm_bin: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     monkeypatch.setenv("PATH", f"{vllm_bin.parent}:/usr/bin:/bin")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -427,13 +427,20 @@ def test_a_taken_base_port_is_an_error(vllm_bin: Path, monkeypatch: pytest.Monke
         with pytest.raises(SystemExit):
             cli.main(["serve", "--launch-vllm", "tiny", "--set", f"launch.base_port={port}"])
     assert f"launch.base_port: port {port} (of [{port}]) is taken by another process" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit):
+            cli.main(["serve", "--launch-vllm", "tiny", "--port", str(port)])
+    assert f"port: 127.0.0.1:{port} (gymproxy's own, --port) is taken" in capsys.readouterr().err
 
 
 # --- planning: GPUs, command lines, the config ----------------------------------------------
 
 
 def plan(environ: dict[str, str], **launch: Any) -> list[str | None]:
-    config = build_config({"launch": {"model": "m", "vllm_bin": "/bin/sh", **launch}}, environ={})
+    config = build_config({"port": 0, "launch": {"model": "m", "vllm_bin": "/bin/sh", **launch}}, environ={})
     replicas = prepare(config, environ).replicas
     for r in replicas:  # a replica without GPUs of its own keeps gymproxy's CUDA_VISIBLE_DEVICES
         assert r.env.get("CUDA_VISIBLE_DEVICES") == (
@@ -470,6 +477,7 @@ def test_gpus_come_from_nvidia_smi_without_cuda_visible_devices(tmp_path: Path):
 def test_replica_command_lines_and_environment(tmp_path: Path):
     config = build_config(
         {
+            "port": 0,
             "launch": {
                 "model": "Qwen/Qwen3-8B",
                 "args": "--served-model-name qwen --api-key 'se cret' --max-model-len 4096",
@@ -478,7 +486,7 @@ def test_replica_command_lines_and_environment(tmp_path: Path):
                 "hf_home": str(tmp_path / "hf"),
                 "vllm_bin": "/bin/sh",
                 "base_port": free_port(),
-            }
+            },
         },
         environ={},
     )
