@@ -46,6 +46,7 @@ REPLICA_ENV = "GYMPROXY_REPLICA"  # each replica's index, for wrapper scripts
 TAIL_LINES = 20
 LINE_MAX = 4096  # characters of one output line kept; the rest is cut (a replica may print anything)
 READY_POLL_S = 0.5
+EXIT_POLL_S = 0.05
 HEALTH_TIMEOUT_S = 2.0
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
 REAPER = Path(__file__).with_name("reaper.py")
@@ -145,6 +146,14 @@ def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher
     launcher.api_key = config.api_key or _flag(launch.args, "--api-key")
     launcher.config = launcher.apply(config)
     return launcher
+
+
+def keep_replicas(read: Config, launched: Config) -> Config:
+    """A config read again (SIGHUP) with the upstreams, model and key of the one the replicas were
+    launched with (`Launcher.config`): the replicas stay the fleet."""
+    return msgspec.structs.replace(
+        read, upstreams=launched.upstreams, model=read.model or launched.model, api_key=read.api_key or launched.api_key
+    )
 
 
 def gpu_groups(launch: Launch, environ: Mapping[str, str]) -> list[list[str] | None]:
@@ -313,8 +322,7 @@ class Launcher:
         self._reaper: subprocess.Popen[bytes] | None = None
 
     def apply(self, config: Config) -> Config:
-        """`config` with the replicas as its upstreams (and the model and key they serve with):
-        how the first config is used, and a config read again on SIGHUP."""
+        """`config` with the replicas as its upstreams, and the model name and key they serve with."""
         specs = [UpstreamSpec(url=r.url, name=r.name) for r in self.replicas]
         return msgspec.structs.replace(
             config, upstreams=specs, model=config.model or self.model, api_key=config.api_key or self.api_key
@@ -464,7 +472,7 @@ class Launcher:
         self._tell_reaper(f"+{process.pid}")
         assert process.stdout is not None
         pump = asyncio.ensure_future(self._pump(replica, process.stdout))
-        exited = asyncio.ensure_future(process.wait())
+        exited = asyncio.ensure_future(_exit_of(process))
         ready = asyncio.ensure_future(self._until_ready(replica))
         try:
             done, _ = await asyncio.wait(
@@ -505,7 +513,7 @@ class Launcher:
         if process.returncode is None:
             _signal_group(process.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(process.wait(), self.launch.stop_grace_s)
+                await asyncio.wait_for(_exit_of(process), self.launch.stop_grace_s)
             except asyncio.TimeoutError:
                 log.warning("%s did not stop in %g s: killing it", replica.name, self.launch.stop_grace_s)
         # What outlives the main process (vLLM's EngineCore) goes too.
@@ -515,7 +523,7 @@ class Launcher:
             while _group_alive(process.pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             _signal_group(process.pid, signal.SIGKILL)
-        await process.wait()
+        await _exit_of(process)
 
     async def _until_ready(self, replica: Replica) -> None:
         """Poll the replica's /health until it answers 200, reporting progress now and then."""
@@ -582,6 +590,14 @@ class Launcher:
         except OSError:  # it died: there is no guard left, but the replicas run on
             log.warning("the vLLM reaper process has exited: replicas may outlive a killed gymproxy")
             self._reaper = None
+
+
+async def _exit_of(process: asyncio.subprocess.Process) -> int:
+    """Its exit code once it has exited. (`Process.wait()` on asyncio's own loop also waits until
+    every holder of its output pipe has closed it, and vLLM's EngineCore holds it.)"""
+    while process.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+    return process.returncode
 
 
 async def _healthy(port: int) -> bool:
