@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
 import os
@@ -66,18 +67,17 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _serve_launched(config: Config, workers: int, reload: Loader) -> None:
     """`serve` with `launch`: gymproxy starts its vLLM replicas, and fails with status 1 when none starts."""
-    if workers != 1:
-        print(
-            "gymproxy: launch (--launch-vllm) runs one gymproxy process; drop --workers / num_workers", file=sys.stderr
-        )
-        raise SystemExit(2)
     try:
         launcher = launch.prepare(config)
     except ConfigError as exc:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    reload.launched = launcher.config
     try:
-        server.run(launcher.config, reload=reload, launcher=launcher)
+        if workers == 1:
+            server.run(launcher.config, reload=reload, launcher=launcher)
+        else:
+            serve_workers(launcher.config, workers, reload=reload, launcher=launcher)
     except launch.LaunchFailed as exc:
         log.error("%s", exc)
         print(f"gymproxy: {exc}", file=sys.stderr)
@@ -89,12 +89,21 @@ class Loader:
 
     def __init__(self, path: str | None, overrides: dict[str, str], server: str | None, extra: dict[str, Any]) -> None:
         self.path, self.overrides, self.server, self.extra = path, overrides, server, extra
+        self.launched: Config | None = None  # with `launch`: the config its replicas were planned in
 
     def __call__(self) -> Config:
-        return load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+        config = load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+        return config if self.launched is None else launch.keep_replicas(config, self.launched)
 
 
-def serve_workers(config: Config, workers: int, *, fake_port: int | None = None, reload: Loader | None = None) -> None:
+def serve_workers(
+    config: Config,
+    workers: int,
+    *,
+    fake_port: int | None = None,
+    reload: Loader | None = None,
+    launcher: launch.Launcher | None = None,
+) -> None:
     """N processes share the port (SO_REUSEPORT); the kernel spreads connections between them.
 
     Pins stay consistent across workers because every worker checks cookies with the same secret:
@@ -102,6 +111,12 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     config re-read on SIGHUP finds it too). A SIGHUP here is forwarded to every worker; a worker
     sends one here when an admin route changed the fleet, after writing the change to the overlay
     file every worker reads (in a private directory that lives as long as this process).
+
+    With `launcher`, this parent runs the vLLM replicas (on an event loop it steps while it watches
+    the workers), starts the workers once one replica is ready, and stops the replicas after the
+    workers have drained. Each worker finds a replica that died on its next request there (refused:
+    marked down, the request re-sent) or health check, and shows their states, which this parent
+    writes to the private directory, in /health.
     """
     if config.pinning.secret is None:
         secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
@@ -111,12 +126,29 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     # which each worker serves its own metrics, so the one a scrape reaches answers for all (peers.py).
     runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))
     overlay = runtime / "fleet.json"
+    replicas = runtime / "replicas.json" if launcher is not None else None
+    stepping = None
+    if launcher is not None:
+        stepping = asyncio.new_event_loop()
+        ready = False
+        try:
+            ready = stepping.run_until_complete(_first_ready(launcher))
+        finally:
+            if not ready:
+                stepping.run_until_complete(launcher.stop())
+                stepping.close()
+                shutil.rmtree(runtime, ignore_errors=True)
+        if not ready:
+            return
+        _write_states(replicas, launcher)
     context = multiprocessing.get_context("spawn")
     children = []
     if fake_port is not None:
         children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
     serving = [
-        context.Process(target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers), daemon=True)
+        context.Process(
+            target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers, replicas), daemon=True
+        )
         for index in range(workers)
     ]
     children += serving
@@ -146,26 +178,70 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     signal.signal(signal.SIGINT, stop)
     try:
         while all(child.is_alive() for child in children):
-            time.sleep(0.2)
+            if stepping is None or launcher is None:
+                time.sleep(0.2)
+            else:
+                stepping.run_until_complete(asyncio.sleep(0.2))
+                _write_states(replicas, launcher)
     finally:
         stop(0, None)
+        if launcher is not None:
+            launcher.hold()
         for child in children:
             child.join(timeout=config.shutdown_grace_s + 5)
             if child.is_alive():
                 child.kill()
                 child.join()
+        if stepping is not None and launcher is not None:
+            stepping.run_until_complete(launcher.stop())
+            stepping.close()
         shutil.rmtree(runtime, ignore_errors=True)
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
 
-def _run_worker(config: Config, reload: Loader | None, overlay: Path, runtime: str, index: int, workers: int) -> None:
+async def _first_ready(launcher: launch.Launcher) -> bool:
+    """Start the replicas; True once one is ready, False on SIGTERM or SIGINT first."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await launcher.start()
+        return await launcher.wait_ready(stop)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def _write_states(path: Path | None, launcher: launch.Launcher) -> None:
+    """The replicas' states for the workers' /health (replaced whole, so a reader never sees half)."""
+    if path is None:
+        return
+    data = msgspec.json.encode(launcher.states())
+    if path.exists() and path.read_bytes() == data:
+        return
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+def _run_worker(
+    config: Config,
+    reload: Loader | None,
+    overlay: Path,
+    runtime: str,
+    index: int,
+    workers: int,
+    replicas: Path | None = None,
+) -> None:
     # A SIGHUP before the loop handles it must not end the worker (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=Peers(runtime, index, workers))
+    peers = Peers(runtime, index, workers)
+    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=peers, replicas=replicas)
 
 
 def _run_fake(port: int, model: str) -> None:

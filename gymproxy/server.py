@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 from aiohttp import web
 
 from . import __version__
@@ -61,6 +62,7 @@ def run(
     overlay: Path | None = None,
     peers: Peers | None = None,
     launcher: Launcher | None = None,
+    replicas: Path | None = None,
 ) -> None:
     """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it.
 
@@ -69,12 +71,14 @@ def run(
     `--workers N`), the admin changes are shared through that file, and a change taken here is
     announced to the parent with a SIGHUP, which it forwards to every worker. With `peers` (a
     worker too), its `/metrics` covers every worker. With `launcher`, its replicas are the upstreams
-    (`config` is `launcher.config`); `launch.LaunchFailed` is raised when none of them starts."""
+    (`config` is `launcher.config`; a `reload` must keep them, as `launch.keep_replicas` does), and
+    `launch.LaunchFailed` is raised when none of them starts. With `replicas` (a worker of `--workers
+    N` with `launch`), /health shows the replicas' states the parent writes to that file."""
     raise_open_files(config.limits.open_files)
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers, launcher))
+        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers, launcher, replicas))
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -90,20 +94,18 @@ async def _serve(
     overlay: Path | None,
     peers: Peers | None,
     launcher: Launcher | None = None,
+    replicas: Path | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     if launcher is None:
-        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None)
+        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None, replicas)
         return
     try:
         await launcher.start()
         if await launcher.wait_ready(stop):
-            if reload is not None:
-                again = reload
-                reload = lambda: launcher.apply(again())  # noqa: E731 (the re-read config keeps the replicas)
             await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, launcher)
         else:
             log.info("stopping before any vLLM replica was ready")
@@ -122,6 +124,7 @@ async def _serve_app(
     peers: Peers | None,
     stop: asyncio.Event,
     launcher: Launcher | None,
+    replicas: Path | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
@@ -138,6 +141,8 @@ async def _serve_app(
         app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
     if launcher is not None:
         follow(launcher, proxy)
+    elif replicas is not None:
+        follow_file(replicas, proxy)
     access_log = logging.getLogger("aiohttp.access") if config.access_log else None
     runner = web.AppRunner(
         app,
@@ -195,8 +200,28 @@ def follow(launcher: Launcher, proxy: Proxy) -> None:
             u.fresh = False
 
     launcher.on_down, launcher.on_ready = down, ready
-    for state in launcher.states():
-        if state["state"] != "ready" and (u := upstream(state["name"])) is not None:
+    _hold_unready(proxy, launcher.states())
+
+
+def follow_file(path: Path, proxy: Proxy) -> None:
+    """A worker's view of the replicas its parent runs: their states for /health from `path`; the
+    fleet learns of their changes by itself (a refused request, a health check)."""
+
+    def states() -> list[dict[str, Any]]:
+        try:
+            return cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
+        except (OSError, msgspec.DecodeError):
+            return []
+
+    proxy.replicas = states
+    _hold_unready(proxy, states())
+
+
+def _hold_unready(proxy: Proxy, states: list[dict[str, Any]]) -> None:
+    """Replicas not ready yet take no sessions until their first health check passes."""
+    unready = {state["name"] for state in states if state["state"] != "ready"}
+    for u in proxy.fleet.upstreams:
+        if u.name in unready:
             u.healthy, u.fresh = False, True
 
 

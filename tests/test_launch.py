@@ -337,6 +337,36 @@ def test_sigterm_kills_a_replica_that_ignores_it_after_the_grace(tmp_path: Path,
     assert not [pid for pid in gym.pids() if alive(pid)]
 
 
+def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK)
+    gyms.append(gym)
+    gym.wait_listening()
+    gym.process.send_signal(signal.SIGHUP)
+    gym.wait_log("fleet reloaded: 2 upstreams; added none, removed none, changed none")
+    assert [u["name"] for u in gym.health()["upstreams"]] == ["vllm-0", "vllm-1"]
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+
+
+def test_workers_serve_in_front_of_the_replicas_their_parent_runs(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", "--workers", "2", *QUICK)
+    gyms.append(gym)
+    wait_until(lambda: gym.log.count(" listening on http://") == 2 or gym.process.poll() is not None, "2 workers")
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
+    first = gym.replica("vllm-0")
+    os.kill(first["pid"], signal.SIGKILL)
+    # Each worker finds out on its own (a refused request is re-sent): no request fails.
+    for _ in range(20):
+        assert gym.chat()[0] == 200
+    wait_until(lambda: gym.replica("vllm-0")["starts"] == 2 and gym.replica("vllm-0")["state"] == "ready", "restart")
+    for _ in range(10):
+        assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+    assert "stopped 2 vLLM replica(s)" in gym.log
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
 def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
     config = tmp_path / "local_vllm_model.yaml"
     config.write_text(
@@ -398,7 +428,6 @@ def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path
         (["--launch-vllm", "tiny 'unclosed"], {}, "--launch-vllm: cannot split"),
         (["--replicas", "0"], {}, "Expected `int` >= 1 - at `$.launch.replicas`"),
         (["--upstream", "http://x/v1"], {}, "give it or `base_url`/`upstreams`/`upstreams_dns`, not both"),
-        (["--workers", "2"], {}, "drop --workers"),
     ],
 )
 def test_bad_launch_input_is_an_error_naming_the_option(
