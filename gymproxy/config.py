@@ -393,13 +393,24 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
 
 
 def _split_launch_args(section: dict[str, Any]) -> None:
-    """`launch.args` given as one string (`--launch-vllm`, a YAML scalar) is split as a shell would."""
+    """`launch.args` given as one string (`--launch-vllm`, a YAML scalar) is split as a shell would,
+    and `launch.env` values YAML reads as numbers or booleans (`VLLM_USE_V1: 1`) are taken as written."""
     launch = section.get("launch")
-    if isinstance(launch, dict) and isinstance(launch.get("args"), str):
+    if not isinstance(launch, dict):
+        return
+    launch = dict(launch)
+    if isinstance(launch.get("args"), str):
         try:
-            section["launch"] = {**launch, "args": shlex.split(launch["args"])}
+            launch["args"] = shlex.split(launch["args"])
         except ValueError as exc:
             raise ConfigError(f"config: launch.args: cannot split {launch['args']!r}: {exc}") from None
+    if isinstance(launch.get("env"), dict):
+        scalar = (bool, int, float)
+        launch["env"] = {
+            k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, scalar) else v
+            for k, v in launch["env"].items()
+        }
+    section["launch"] = launch
 
 
 def _read_old_session_header(section: dict[str, Any]) -> None:

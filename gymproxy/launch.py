@@ -47,6 +47,7 @@ TAIL_LINES = 20
 LINE_MAX = 4096  # characters of one output line kept; the rest is cut (a replica may print anything)
 READY_POLL_S = 0.5
 EXIT_POLL_S = 0.05
+TAIL_BYTES = TAIL_LINES * LINE_MAX
 HEALTH_TIMEOUT_S = 2.0
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
 REAPER = Path(__file__).with_name("reaper.py")
@@ -87,7 +88,7 @@ class Replica:
         self.exit_code: int | None = None
         self.error: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.log_file: IO[bytes] | None = None
+        self.log_start = 0  # with `log_dir`: where its latest life's output starts in its file
 
     def status(self) -> dict[str, Any]:
         """What /health shows of it."""
@@ -388,9 +389,6 @@ class Launcher:
         for replica in self.replicas:
             if replica.state != "failed":
                 replica.state = "stopped"
-            if replica.log_file is not None:
-                replica.log_file.close()
-                replica.log_file = None
         if self._reaper is not None:
             if self._reaper.stdin is not None:
                 self._reaper.stdin.close()  # nothing left to reap: it exits at once
@@ -456,21 +454,32 @@ class Launcher:
         replica.starts += 1
         replica.started = time.monotonic()
         replica.tail.clear()  # an error names the lines of the life that failed
-        log.info("%s starting (port %d): %s", replica.name, replica.port, shown_command(replica.argv))
+        command = shown_command(replica.argv)
+        log.info("%s starting (port %d): %s", replica.name, replica.port, command)
+        # With log_dir the replica writes its file itself: its output never passes through this
+        # process (vLLM logs every request), and the tail is read back from the file when needed.
+        output: IO[bytes] | int = asyncio.subprocess.PIPE
+        if self.launch.log_dir is not None:
+            output = self._log_path(replica).open("ab")
+            output.write(f"--- gymproxy: start {replica.starts} of {replica.name}: {command}\n".encode())
+            output.flush()
+            replica.log_start = output.tell()
         try:
             process = await asyncio.create_subprocess_exec(
                 *replica.argv,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
+                stdout=output,
                 stderr=asyncio.subprocess.STDOUT,
                 env=replica.env,
                 start_new_session=True,  # its own process group: vLLM's EngineCore is stopped with it
             )
         except OSError as exc:
             return f"cannot start {replica.argv[0]}: {exc}"
+        finally:
+            if not isinstance(output, int):
+                output.close()  # the replica has its own
         replica.process = process
         self._tell_reaper(f"+{process.pid}")
-        assert process.stdout is not None
         pump = asyncio.ensure_future(self._pump(replica, process.stdout))
         exited = asyncio.ensure_future(_exit_of(process))
         ready = asyncio.ensure_future(self._until_ready(replica))
@@ -502,6 +511,7 @@ class Launcher:
             except asyncio.TimeoutError:
                 pump.cancel()
             self._tell_reaper(f"-{process.pid}")
+            self._read_tail(replica)
         replica.exit_code = process.returncode
         return why
 
@@ -530,6 +540,7 @@ class Launcher:
         report = time.monotonic() + self.launch.progress_interval_s
         while not await _healthy(replica.port):
             await asyncio.sleep(READY_POLL_S)
+            self._read_tail(replica)
             now = time.monotonic()
             if now >= report:
                 report = now + self.launch.progress_interval_s
@@ -543,10 +554,10 @@ class Launcher:
                     last,
                 )
 
-    async def _pump(self, replica: Replica, stream: asyncio.StreamReader) -> None:
-        """Copy the replica's output, line by line, to gymproxy's log or its log file."""
-        if self.launch.log_dir is not None and replica.log_file is None:
-            replica.log_file = self._log_path(replica).open("ab")
+    async def _pump(self, replica: Replica, stream: asyncio.StreamReader | None) -> None:
+        """Copy the replica's output, line by line, to gymproxy's log (None: it writes its file)."""
+        if stream is None:
+            return
         pending = b""
         while True:
             chunk = await stream.read(65536)
@@ -561,8 +572,6 @@ class Launcher:
                 self._line(replica, line)
         if pending:
             self._line(replica, pending)
-        if replica.log_file is not None:
-            replica.log_file.flush()
 
     def _line(self, replica: Replica, raw: bytes) -> None:
         text = shown_line(raw)
@@ -571,10 +580,24 @@ class Launcher:
         replica.tail.append(text)
         if replica.state == "starting":
             replica.state = "loading"
-        if replica.log_file is not None:
-            replica.log_file.write(raw.rstrip(b"\r\n") + b"\n")
-        else:
-            log.info("[%s] %s", replica.name, text)
+        log.info("[%s] %s", replica.name, text)
+
+    def _read_tail(self, replica: Replica) -> None:
+        """With `log_dir`: the last lines of the replica's latest life, from its file."""
+        if self.launch.log_dir is None:
+            return
+        try:
+            with self._log_path(replica).open("rb") as file:
+                size = file.seek(0, os.SEEK_END)
+                file.seek(max(replica.log_start, size - TAIL_BYTES))
+                data = file.read()
+        except OSError:
+            return
+        if data and replica.state == "starting":
+            replica.state = "loading"
+        lines = [shown_line(line) for line in data.split(b"\n")]
+        replica.tail.clear()
+        replica.tail.extend(line for line in lines if line.strip())
 
     def _log_path(self, replica: Replica) -> Path:
         assert self.launch.log_dir is not None

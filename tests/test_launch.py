@@ -247,7 +247,8 @@ def test_a_replica_that_never_answers_fails_startup_after_the_timeout(tmp_path: 
     log = gym.log
     assert "vllm-0 did not answer /health within 3 s (launch.startup_timeout_s)" in log
     assert f"its whole log: {logs / 'vllm-0.log'}" in log
-    assert "[vllm-0] INFO fake vllm tiny" in log  # the last lines, in the error
+    assert "  [vllm-0] INFO fake vllm tiny" in log  # the last lines, in the error
+    assert "gymproxy: [vllm-0]" not in log  # its output went to its file only
     assert "fake vllm tiny: replica 0 start 1: hang" in (logs / "vllm-0.log").read_text()
     assert not [pid for pid in gym.pids() if alive(pid)]
 
@@ -556,10 +557,11 @@ def test_output_lines_are_made_safe_to_log():
 
 def test_the_launch_section_from_a_flat_file(tmp_path: Path):
     path = tmp_path / "gymproxy.yaml"
-    path.write_text("launch:\n  model: tiny\n  args: --dtype auto\n  replicas: 2\n")
+    path.write_text("launch:\n  model: tiny\n  args: --dtype auto\n  replicas: 2\n  env: {VLLM_USE_V1: 1, X: true}\n")
     config = load_config(path, environ={}, extra={"launch": {"replicas": 3}})
     assert config.launch is not None
     assert (config.launch.model, config.launch.args, config.launch.replicas) == ("tiny", ["--dtype", "auto"], 3)
+    assert config.launch.env == {"VLLM_USE_V1": "1", "X": "true"}  # as written, though YAML reads numbers
     with pytest.raises(ConfigError, match=r"unknown key; did you mean launch.replicas\?"):
         load_config(path, environ={}, overrides={"launch.replica": "2"})
 
