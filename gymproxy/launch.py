@@ -1,22 +1,11 @@
 """vLLM servers gymproxy starts and keeps up itself (`launch:`, `gymproxy serve --launch-vllm`).
 
-`prepare` checks the section and plans the replicas (their ports, GPUs, command lines) before any
-process starts, so bad input is a `ConfigError` naming the option. `Launcher` then runs them:
-replica i is `vllm serve MODEL ARGS --host 127.0.0.1 --port P` in a process group of its own, with
-`CUDA_VISIBLE_DEVICES` set to its own GPUs, and is upstream `vllm-<i>` at `http://127.0.0.1:P/v1`.
-Each replica keeps its port across restarts, so the fleet's upstream list never changes: what
-changes is only whether an upstream is up, which the launcher tells the fleet at once through
-`on_down` / `on_ready` (the health checks and retries would find out too, a little later).
-
-A replica's output goes to gymproxy's log line by line as `[vllm-0] ...` (or to
-`<log_dir>/vllm-0.log`), and its last 20 lines are kept for error messages. Its states: `starting`
-(spawned, silent yet), `loading` (writing, /health not answering yet), `ready`, `restarting` (after
-an exit, waiting out its backoff), `failed` (given up), `stopped`. Until the first replica is ready
-any replica that exits or misses `startup_timeout_s` fails the whole startup (`LaunchFailed`, with
-its exit code and last lines); after that an exit is restarted under `launch.restart`.
-
-Every process group is also registered with `reaper.py`, a small process in its own session that
-kills the groups left behind when gymproxy dies without stopping them (SIGKILL, a crash).
+`prepare` plans the replicas (ports, GPUs, command lines) and raises `ConfigError` before anything
+starts; `Launcher` runs them. Replica i is upstream `vllm-<i>`, a `vllm serve` in its own process
+group on a port it keeps across restarts, so the fleet's upstream list never changes: the launcher
+only tells the fleet (`on_down` / `on_ready`) when one goes down or is ready again. Until the first
+replica is ready, any failure ends startup (`LaunchFailed`); after that an exit is restarted under
+`launch.restart`. `reaper.py` stops the groups if gymproxy dies without doing so.
 """
 
 from __future__ import annotations
