@@ -2,9 +2,10 @@
 
 The file is either flat (every key of `Config` at the top level) or NeMo Gym's nested layout
 (`<server name>: responses_api_models: vllm_model: {...}`), so NeMo Gym's own `vllm_model.yaml`
-loads unchanged; a `local_vllm_model` block there becomes a `launch` section (`from_local_vllm_model`). `${name}` placeholders are resolved from `--set name=value` first, then from the
-environment; an unresolved one is an error. The environment is read only here, and only through
-the `environ` argument.
+loads unchanged; a `local_vllm_model` block there becomes a `launch` section
+(`from_local_vllm_model`). `${name}` placeholders are resolved from `--set name=value` first, then
+from the environment; an unresolved one is an error. The environment is read only here, and only
+through the `environ` argument.
 """
 
 from __future__ import annotations

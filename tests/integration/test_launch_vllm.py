@@ -208,26 +208,26 @@ def test_sigkill_of_a_replica_fails_over_and_it_serves_again(launched: Launched)
             launched.log,
         )
         served = len(results)
-        wait_until(lambda: len(results) >= served + 8, "requests while vllm-0 is down", 120)
-        wait_until(
-            lambda: any(
-                r["name"] == "vllm-0" and r["state"] == "ready" and r["starts"] == 2 for r in launched.replicas()
-            ),
-            "vllm-0 restarted and ready",
-            START_S,
-            launched.log,
-        )
-        wait_until(lambda: all(u["healthy"] for u in launched.health()["upstreams"]), "vllm-0 healthy", 60)
+        # Its sessions (about half of the 8) fail over to vllm-1.
+        wait_until(lambda: len(results) >= served + 16, "requests while vllm-0 is down", 120)
     finally:
-        running.clear()
+        running.clear()  # the restart loads faster without the requests beside it on two cores
         worker.join(150)
     failed = [r for r in results if r[0] != 200 or ANSWER_TEXT not in r[1]]
     assert not failed, failed[:3]
+    wait_until(
+        lambda: any(r["name"] == "vllm-0" and r["state"] == "ready" and r["starts"] == 2 for r in launched.replicas()),
+        "vllm-0 restarted and ready",
+        START_S,
+        launched.log,
+    )
+    wait_until(lambda: all(u["healthy"] for u in launched.health()["upstreams"]), "vllm-0 healthy", 60)
     assert not [pid for pid in before if pid in group(victim["pid"])], "the killed replica's EngineCore outlived it"
     # It serves again: new sessions reach it (their keys hash to it about half the time).
     served_there = launched.served("vllm-0")
     for turn in range(16):
-        assert launched.chat(f"new-session-{turn}")[0] == 200
+        status, text = launched.chat(f"new-session-{turn}")
+        assert status == 200 and ANSWER_TEXT in text, (status, text)
     assert launched.served("vllm-0") > served_there
     assert "vllm-0 exited with code -9" in launched.log.read_text(errors="replace")
 
