@@ -338,7 +338,9 @@ async def run_once(
         tasks = [driver.run(args.warmup + args.duration)]
         if scenario.event:
             tasks.append(event())
+        cpu = service.cpu()
         await asyncio.gather(*tasks)
+        cpu = service.cpu() - cpu
         await asyncio.sleep(0.2)
         with urllib.request.urlopen(f"http://{LOOPBACK}:{control}/stats", timeout=10) as reply:
             stats = json.loads(reply.read())["engines"]
@@ -346,7 +348,10 @@ async def run_once(
         if service is not None:
             service.stop()
         engines.stop()
-    return measure(scenario, target, driver, stats, window, event_time, event_note, args.engines)
+    row = measure(scenario, target, driver, stats, window, event_time, event_note, args.engines)
+    completed = sum(1 for t in driver.turns if t.ok)
+    row["cpu_ms"] = 1000 * cpu / completed if completed else None  # the router's own CPU per turn
+    return row
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -408,7 +413,8 @@ def measure(
     }
     if scenario.event == "add" and event_time:
         late = stats[-1]["name"]
-        after = [r for rs in served.values() for r in rs[:1] if r[1] >= event_time]
+        # Requests sent after the engine was added: those in flight then could not have gone to it.
+        after = [r for t in driver.turns if t.start >= event_time for r in served.get(t.rid, [])[:1]]
         tokens = sum(r[2] + r[4] for r in after)
         row["new_share"] = sum(r[2] + r[4] for r in after if r[0] == late) / tokens if tokens else 0.0
         before: dict[str, set[str]] = defaultdict(set)
@@ -444,7 +450,7 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
     for name, rows in summary.items():
         lines.append(f"\n{name}: {SCENARIOS[name].about}")
         head = f"  {'target':28} {'hit %':>6} {'turns/s':>8} {'p50 s':>6} {'p99 s':>6} {'imbal':>6}"
-        head += f" {'moved':>7} {'failed':>7} {'twice':>5}"
+        head += f" {'moved':>7} {'failed':>7} {'twice':>5} {'cpu ms':>6}"
         if SCENARIOS[name].event == "add":
             head += f" {'new %':>6} {'exist moved':>11}"
         lines.append(head)
@@ -452,7 +458,7 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
             line = (
                 f"  {target:28} {_f(100 * r['hit'], '6.1f')} {_f(r['turns_s'], '8.1f')} {_f(r['p50'], '6.2f')}"
                 f" {_f(r['p99'], '6.2f')} {_f(r['imbalance'], '6.2f')} {r['moved']:>3.0f}/{r['sessions']:<3.0f}"
-                f" {r['failed']:>3.0f}/{r['failed_plain']:<3.0f} {r['twice']:>5.0f}"
+                f" {r['failed']:>3.0f}/{r['failed_plain']:<3.0f} {r['twice']:>5.0f} {_f(r.get('cpu_ms'), '6.2f')}"
             )
             if "new_share" in r:
                 line += f" {_f(100 * r['new_share'], '6.1f')} {r['existing_moved']:>5.0f}/{r['existing']:<5.0f}"
@@ -462,7 +468,8 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
     lines.append(
         "\n  hit: cached/prompt tokens; imbal: max/mean tokens per engine; moved: sessions served by 2+ engines;"
         "\n  failed: failed turns (all/non-streamed); twice: requests completed by 2 engines; new %: the"
-        "\n  added engine's share of tokens after it joined; exist moved: sessions from before that moved"
+        "\n  added engine's share of the tokens of requests sent after it was added; exist moved: sessions from"
+        "\n  before that moved; cpu ms: the router's own CPU time per completed turn (all its processes)"
     )
     if checks:
         lines.append("\nchecks (issue #14, against the best baseline of each scenario):")

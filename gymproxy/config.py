@@ -69,6 +69,16 @@ class LoadBound(Settings, frozen=True, kw_only=True):
     hysteresis: Annotated[float, msgspec.Meta(ge=0)] = 0.5
 
 
+class PaceRule(Settings, frozen=True, kw_only=True):
+    """Steering by pace (seconds per generated token, observed over the last `window_s` or so): an
+    upstream slower than the fastest times `1 + tolerance` takes no new sessions while a faster one
+    can; its pinned sessions leave past that times `1 + load_bound.hysteresis`. `tolerance: null`
+    turns it off."""
+
+    tolerance: Annotated[float, msgspec.Meta(ge=0)] | None = 0.5
+    window_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+
+
 class Pinning(Settings, frozen=True, kw_only=True):
     """Session pinning (prefix-cache affinity)."""
 
@@ -86,6 +96,7 @@ class Pinning(Settings, frozen=True, kw_only=True):
     use_user_field: bool = True  # the request body's `user` field also keys a session
     placement: Literal["least_outstanding", "round_robin"] = "least_outstanding"
     load_bound: LoadBound = LoadBound()
+    pace: PaceRule = PaceRule()
     # Cookie-less keyed sessions that moved, remembered per process: at most this many, each for
     # this long after its last use.
     moved_keys: Annotated[int, msgspec.Meta(ge=1)] = 65536

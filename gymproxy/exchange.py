@@ -425,12 +425,13 @@ class Exchange:
             sent.release()
         if reply.status != 200:
             self._judge(reply.status, payload)
+        ended = time.monotonic()
         chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
         body = answer.whole(chat, tokens, continued=backend.continued)
-        self._count_usage(sent.upstream, chat.usage())
+        self._count_usage(sent, chat.usage(), ended)  # read by the conversion: never parsed for this alone
         return web.Response(body=body, content_type=JSON)
 
     async def _stream(self, backend: Backend, answer: Answer, data: bytes) -> web.StreamResponse:
@@ -448,7 +449,7 @@ class Exchange:
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
-                self._count_usage(sent.upstream, translator.usage)
+                self._count_usage(sent, translator.usage, time.monotonic())
                 if tail is not None:
                     await writer.end(tail)
             return response
@@ -529,16 +530,22 @@ class Exchange:
             caller.pin = sent.pin
         return sent
 
-    def _count_usage(self, upstream: Upstream, usage: Any) -> None:
-        """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`)."""
+    def _count_usage(self, sent: Sent, usage: Any, ended: float) -> None:
+        """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`);
+        the reply's time per generated token (it ended at `ended`) feeds the upstream's pace."""
         if usage is None:
             return
         if isinstance(usage, dict):
             prompt, details = usage.get("prompt_tokens"), usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            generated = usage.get("completion_tokens")
         else:  # a decoded `Usage`
             prompt, details = usage.prompt_tokens, usage.prompt_tokens_details
             cached = details.cached_tokens if details is not None else None
+            generated = usage.completion_tokens
+        upstream = sent.upstream
+        if type(generated) is int and generated > 0:
+            upstream.meter.observe(ended - sent.started, generated)
         metrics = self.proxy.metrics
         if type(prompt) is int and prompt > 0:
             metrics.prompt_tokens[upstream.name] += prompt

@@ -39,7 +39,7 @@ from .errors import (
 )
 from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply
 from .metrics import Metrics, label
-from .pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pinner, Signer, Tally
+from .pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pace, Pinner, Signer, Tally
 
 log = logging.getLogger("gymproxy")
 
@@ -87,6 +87,7 @@ class Upstream:
         "fresh",
         "failed_checks",
         "breaker",
+        "meter",
         "tally",
         "_slots",
         "_reject",
@@ -102,6 +103,7 @@ class Upstream:
         self.fresh = False  # added live and not yet seen healthy: takes no sessions while others can
         self.failed_checks = 0  # consecutive failed health checks
         self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
+        self.meter = Pace(config.pinning.pace.window_s)
         cap = config.limits.max_inflight_per_upstream
         self._slots = asyncio.Semaphore(cap) if cap else None
         self._reject = config.limits.when_full == "reject"
@@ -155,6 +157,11 @@ class Upstream:
         """Its circuit breaker lets no request through now."""
         return self.breaker.blocked
 
+    @property
+    def pace(self) -> float | None:
+        """Its recent seconds per generated token (`pinning.Pace`), None while not known."""
+        return self.meter.value
+
     def release(self) -> None:
         self.inflight -= 1
         self.tally.inflight -= 1
@@ -172,12 +179,13 @@ class Sent:
     the reply was read whole) or `close` (connection dropped: vLLM aborts the generation).
     """
 
-    __slots__ = ("upstream", "reply", "pin", "_held")
+    __slots__ = ("upstream", "reply", "pin", "started", "_held")
 
-    def __init__(self, upstream: Upstream, reply: Reply, pin: str | None) -> None:
+    def __init__(self, upstream: Upstream, reply: Reply, pin: str | None, started: float) -> None:
         self.upstream = upstream
         self.reply = reply
         self.pin = pin
+        self.started = started  # time.monotonic() when it was sent
         self._held = True
 
     def release(self) -> None:
@@ -222,6 +230,7 @@ class Fleet:
             epsilon=bound.epsilon,
             slack=bound.slack,
             hysteresis=bound.hysteresis,
+            pace_tolerance=pinning.pace.tolerance,
             moved_max=pinning.moved_keys,
             moved_ttl=pinning.moved_ttl_s,
             tally=self.tally,
@@ -362,6 +371,7 @@ class Fleet:
                 upstream.breaker.admit()
             attempt += 1
             sent: Sent | None = None
+            started = time.monotonic()
             try:
                 reply = await self._attempt(upstream, route, data, method, request_id, *extra, fresh=resent_stale)
             except UpstreamError as exc:
@@ -377,11 +387,22 @@ class Fleet:
                     self.retries[kind] += 1
                     continue
                 error: GymproxyError = exc
+            except Saturated:
+                upstream.breaker.abandon()
+                if single or len(tried) + 1 >= len(self.upstreams):
+                    raise  # every upstream is at its cap
+                # At its cap (`limits.when_full: reject`): it saw nothing, so the next one is asked
+                # at once, without a backoff and without counting against its breaker or the budget.
+                tried.append(upstream)
+                attempt -= 1
+                reason = "busy"
+                self.retries["full"] += 1
+                continue
             except BaseException:
                 upstream.breaker.abandon()
                 raise
             else:
-                sent = Sent(upstream, reply, pin)
+                sent = Sent(upstream, reply, pin, started)
                 try:
                     kind = await busy_kind(reply)
                 except BaseException:
@@ -439,7 +460,7 @@ class Fleet:
     ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize): status and body."""
         reply = await self._attempt(upstream, route, data, "POST", request_id, session_id=session_id)
-        sent = Sent(upstream, reply, None)
+        sent = Sent(upstream, reply, None, 0.0)
         try:
             return reply.status, await read(reply)
         except BaseException:
@@ -492,7 +513,7 @@ class Fleet:
         self._count(upstream, reply.status)
         if not upstream.healthy:
             self.mark(upstream, True)  # it answered: whatever the last check said, it is up
-            upstream.fresh = False
+            self._joined(upstream)
         return reply
 
     def _failure(self, upstream: Upstream, url: URL, exc: BaseException) -> GymproxyError:
@@ -537,7 +558,13 @@ class Fleet:
         if ok or upstream.failed_checks >= HEALTH_FAILURES:
             self.mark(upstream, ok, why)
         if ok:
+            self._joined(upstream)
+
+    def _joined(self, upstream: Upstream) -> None:
+        """It is healthy: if it was added live, it takes sessions from now on."""
+        if upstream.fresh:
             upstream.fresh = False
+            self.pinner.joined(upstream.name)
 
     async def _get(self, upstream: Upstream, route: str) -> tuple[int, bytes]:
         """A GET of the fleet's own (health checks, the startup probe): status and body."""
@@ -612,6 +639,12 @@ class Fleet:
             lambda: [(label(upstream=u.name), u.inflight) for u in self.known()],
         )
         yield (
+            "gymproxy_upstream_pace_seconds",
+            "gauge",
+            "Recent seconds per generated token, by upstream (replies with usage; absent while not known).",
+            lambda: [(label(upstream=u.name), pace) for u in self.upstreams if (pace := u.pace) is not None],
+        )
+        yield (
             "gymproxy_upstream_healthy",
             "gauge",
             "1 while the upstream is healthy.",
@@ -658,13 +691,13 @@ class Fleet:
         yield (
             "gymproxy_retries_total",
             "counter",
-            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused).",
+            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused, full).",
             lambda: [(label(reason=reason), n) for reason, n in sorted(self.retries.items())],
         )
         yield (
             "gymproxy_pin_moves_total",
             "counter",
-            "Sessions moved off their upstream, by reason (down, breaker, busy, overloaded, removed).",
+            "Sessions moved off their upstream, by reason (down, breaker, busy, overloaded, slow, removed, joined).",
             lambda: [(label(reason=reason), n) for reason, n in self.pinner.moves.items()],
         )
         yield (

@@ -14,7 +14,9 @@ Every session has an id, sent to vLLM as `X-Session-ID`: its key when it has one
 cookie carries, minted before its first request is sent (`new_session_id`) and kept when the pin
 is re-signed for another upstream.
 
-Each upstream's circuit breaker (`Breaker`, at the end) keeps it out of the pick while it fails.
+Each upstream's circuit breaker (`Breaker`, at the end) keeps it out of the pick while it fails,
+and its pace (`Pace`: seconds per generated token, as observed here) steers sessions off an engine
+far slower than the fastest, which an in-flight count alone cannot see.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class Signer:
         payload = f"{_b64(name.encode())}.{sid}.{issued}"
         return f"{payload}.{self._mac(payload)}"
 
-    def unsign(self, value: str) -> tuple[str, str] | None:
-        """(upstream name, session id) of a valid, fresh pin (sid "" for an older pin); None for anything else."""
+    def unsign(self, value: str) -> tuple[str, str, int] | None:
+        """(upstream name, session id, issued) of a valid, fresh pin (sid "" for an older pin); None
+        for anything else."""
         known = self._verified.get(value)
         if known is None:
             known = self._verify(value)
@@ -72,8 +75,7 @@ class Signer:
             if len(self._verified) >= VERIFIED_CACHE:
                 self._verified.clear()  # bounded: a cache, never a session table
             self._verified[value] = known
-        name, sid, issued = known
-        return (name, sid) if time.time() - issued <= self.max_age else None
+        return known if time.time() - known[2] <= self.max_age else None
 
     def _verify(self, value: str) -> tuple[str, str, int] | None:
         if not value.isascii():
@@ -125,6 +127,8 @@ class Candidate(Protocol):
     def inflight(self) -> int: ...
     @property
     def blocked(self) -> bool: ...  # its circuit breaker is open
+    @property
+    def pace(self) -> float | None: ...  # recent seconds per generated token; None: not known
 
 
 U = TypeVar("U", bound=Candidate)
@@ -140,7 +144,9 @@ class Tally:
         self.inflight = 0
 
 
-MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "removed")
+MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "slow", "removed", "joined")
+PACE_REFRESH_S = 0.25  # how long the fleet's best pace is reused before it is looked up again
+PACE_NOISE_S = 0.002  # a pace at most this much over the best (seconds a token) is never slow: timing noise
 
 
 class Pin(Generic[U]):
@@ -176,10 +182,13 @@ class Pinner(Generic[U]):
     Placement is consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam): a new
     keyed session takes the first upstream in its rendezvous order whose in-flight count, this
     request included, is at most `max(share * (1 + epsilon), share + slack)`, where `share` is the
-    upstream's weight share of everything in flight over the eligible upstreams. A session stays
-    where it is unless its upstream is down, its breaker open, it answered "busy", or it is over
-    `bound * (1 + hysteresis)`; then it moves to its next choice. Cookie-less keyed sessions that
-    moved are remembered in a size-capped, expiring map (`moved`), per process.
+    upstream's weight share of everything in flight over the eligible upstreams. Upstreams whose
+    pace is over the fleet's best times `1 + pace_tolerance` take no new sessions while a faster
+    one can (None: pace is not read). A session stays where it is unless its upstream is down, its
+    breaker open, it answered "busy", it is over `bound * (1 + hysteresis)`, or its pace is over
+    the best times `(1 + pace_tolerance) * (1 + hysteresis)`; then it moves to its next choice.
+    Cookie-less keyed sessions that moved are remembered in a size-capped, expiring map (`moved`),
+    per process.
     """
 
     def __init__(
@@ -191,6 +200,7 @@ class Pinner(Generic[U]):
         epsilon: float = 0.25,
         slack: float = 10.0,
         hysteresis: float = 0.5,
+        pace_tolerance: float | None = 0.5,
         moved_max: int = 65536,
         moved_ttl: float = 3600.0,
         clock: Callable[[], float] = time.monotonic,
@@ -202,6 +212,7 @@ class Pinner(Generic[U]):
         self.epsilon = epsilon
         self.slack = slack
         self.hysteresis = hysteresis
+        self.pace_tolerance = pace_tolerance
         self.moved_max = moved_max
         self.moved_ttl = moved_ttl
         self._clock = clock
@@ -210,11 +221,16 @@ class Pinner(Generic[U]):
         self.created = 0
         self.repinned = 0
         self.moves = dict.fromkeys(MOVE_REASONS, 0)  # sessions moved off their upstream, by reason
-        self.moved: dict[str, tuple[str, float]] = {}  # cookie-less key -> (upstream name, expiry): LRU order
+        # cookie-less key -> (upstream name, expiry, when it was last checked against joins), in LRU order
+        self.moved: dict[str, tuple[str, float, float]] = {}
         self._warned = False
         self.upstreams: list[U] = []
         self.by_name: dict[str, U] = {}
         self._weights = 1.0
+        self._joins: dict[str, float] = {}  # upstream added live -> when it first took sessions (time.time())
+        self._last_join = 0.0
+        self._best_pace: float | None = None
+        self._best_pace_until = -math.inf
         self.set_upstreams(upstreams)
 
     def set_upstreams(self, upstreams: list[U]) -> None:
@@ -222,6 +238,16 @@ class Pinner(Generic[U]):
         self.upstreams = list(upstreams)
         self.by_name = {u.name: u for u in self.upstreams}
         self._weights = sum(u.weight for u in self.upstreams) or 1.0
+        self._best_pace_until = -math.inf
+        self._joins = {name: at for name, at in self._joins.items() if name in self.by_name}
+        self._last_join = max(self._joins.values(), default=0.0)
+
+    def joined(self, name: str) -> None:
+        """The upstream `name`, added live, takes sessions now: each pinned session whose first
+        rendezvous choice it is moves there on its next request (as keyed sessions do at once), so
+        a new engine gets its share of the sessions that were already running."""
+        if name in self.by_name:
+            self._joins[name] = self._last_join = time.time()
 
     def pick(
         self,
@@ -245,12 +271,14 @@ class Pinner(Generic[U]):
         home: U | None = None
         why: str | None = None
         old_format = False
+        issued = 0
+        pinned_sid: str | None = None  # the valid cookie's session id: its rendezvous key when it moves
         if cookie:
             opened = self.signer.unsign(cookie)
             if opened is not None:
-                name, cookie_sid = opened
+                name, cookie_sid, issued = opened
                 if cookie_sid:
-                    sid = cookie_sid  # the session keeps its id wherever its pin goes
+                    sid = pinned_sid = cookie_sid  # the session keeps its id wherever its pin goes
                 else:
                     old_format = True  # an older pin, without a session id: re-issued with one
                 home = self.by_name.get(name)
@@ -270,7 +298,15 @@ class Pinner(Generic[U]):
             if why is None:
                 if keyed_only or old_format:
                     return Pin(home, self.signer.sign(home.name, sid))
-                return Pin(home, None)  # the common case: a valid pin on a fine upstream
+                if issued >= self._last_join:
+                    return Pin(home, None)  # the common case: a valid pin on a fine upstream
+                assert pinned_sid is not None  # an older pin (no sid) was re-issued above
+                joiner = self._joiner(home, session_key or pinned_sid, issued)
+                if joiner is None:  # re-signed as it is: checked once per session and join
+                    return Pin(home, self.signer.sign(home.name, sid))
+                self.moves["joined"] += 1
+                self.repinned += 1
+                return Pin(joiner, self.signer.sign(joiner.name, sid))
         leaving = (*exclude, home) if home is not None else exclude
         candidates = self._eligible(leaving)
         if not candidates:
@@ -278,7 +314,7 @@ class Pinner(Generic[U]):
                 keep = cookie and not keyed_only and not old_format
                 return Pin(home, None if keep else self.signer.sign(home.name, sid))
             raise NoUpstream(f"no upstream is reachable: {', '.join(u.url for u in self.upstreams)} all failed")
-        order_key = session_key or cookie
+        order_key = session_key or pinned_sid or cookie
         upstream = self._bounded(order_key, candidates) if order_key else self._place(candidates)
         if why is not None:
             self.moves[why] += 1
@@ -292,12 +328,23 @@ class Pinner(Generic[U]):
             self._remember(session_key, upstream)
         return Pin(upstream, self.signer.sign(upstream.name, sid))
 
+    def _joiner(self, home: U, key: str, issued: int) -> U | None:
+        """The upstream added since the pin was issued that is now `key`'s first choice and fine, if any."""
+        top = max(self.upstreams, key=lambda u: _score(key, u))
+        if top is home or self._joins.get(top.name, 0.0) <= issued or self._trouble(top) is not None:
+            return None
+        return top
+
     def _trouble(self, upstream: U) -> str | None:
         """Why a session should leave `upstream` now, or None while it is fine. O(1) unless it looks overloaded."""
         if not upstream.healthy and any(u.healthy for u in self.upstreams):
             return "down"
         if upstream.blocked:
             return "breaker"
+        if self.pace_tolerance is not None and self._slow(
+            upstream, (1.0 + self.pace_tolerance) * (1.0 + self.hysteresis)
+        ):
+            return "slow"
         # Cheap first: the bound over the whole fleet. Only if that looks exceeded, the exact one.
         load = upstream.inflight + 1
         margin = 1.0 + self.hysteresis
@@ -314,6 +361,27 @@ class Pinner(Generic[U]):
         weights = sum(u.weight for u in eligible)
         return "overloaded" if load > self._bound(upstream, total, weights) * margin else None
 
+    def _slow(self, upstream: U, factor: float) -> bool:
+        """Its pace is over the fleet's best pace times `factor`, and more than noise over it (False
+        while either is unknown)."""
+        pace = upstream.pace
+        if pace is None:
+            return False
+        now = self._clock()
+        if now >= self._best_pace_until:  # looked up at most every PACE_REFRESH_S: O(1) per request
+            paces = [p for u in self.upstreams if u.healthy and not u.blocked and (p := u.pace) is not None]
+            self._best_pace = min(paces) if paces else None
+            self._best_pace_until = now + PACE_REFRESH_S
+        best = self._best_pace
+        return best is not None and pace > best * factor and pace > best + PACE_NOISE_S
+
+    def _fast(self, candidates: list[U]) -> list[U]:
+        """`candidates` without those far slower than the best (all of them if none is fast)."""
+        tolerance = self.pace_tolerance
+        if tolerance is None or len(candidates) == 1:
+            return candidates
+        return [u for u in candidates if not self._slow(u, 1.0 + tolerance)] or candidates
+
     def _bound(self, upstream: U, total: int, weights: float) -> float:
         share = total * upstream.weight / weights
         return max(share * (1.0 + self.epsilon), share + self.slack)
@@ -325,7 +393,8 @@ class Pinner(Generic[U]):
         return candidates
 
     def _bounded(self, key: str, candidates: list[U]) -> U:
-        """The first of `candidates` in `key`'s rendezvous order that is under its load bound."""
+        """The first of `candidates` in `key`'s rendezvous order that is under its load bound and not slow."""
+        candidates = self._fast(candidates)
         if len(candidates) == 1:
             return candidates[0]
         total = sum(u.inflight for u in candidates) + 1
@@ -337,16 +406,22 @@ class Pinner(Generic[U]):
         return min(order, key=lambda u: (u.inflight + 1) / u.weight)  # unreachable while shares sum to total
 
     def _remembered(self, key: str) -> U | None:
-        """Where a cookie-less keyed session moved to, while that is fresh and still in the fleet."""
+        """Where a cookie-less keyed session moved to, while that is fresh and still in the fleet, and
+        no upstream that joined since is its first choice (then it goes there, as a pin would)."""
         entry = self.moved.pop(key, None)
         if entry is None:
             return None
-        name, expires = entry
+        name, expires, since = entry
         upstream = self.by_name.get(name)
         now = self._clock()
         if upstream is None or now > expires:
             return None
-        self.moved[key] = (name, now + self.moved_ttl)  # used: fresh again, and last in LRU order
+        if since < self._last_join:
+            first = max(self.upstreams, key=lambda u: _score(key, u))
+            if self._joins.get(first.name, 0.0) > since:
+                return None
+            since = time.time()
+        self.moved[key] = (name, now + self.moved_ttl, since)  # used: fresh again, and last in LRU order
         return upstream
 
     def _remember(self, key: str, upstream: U) -> None:
@@ -355,9 +430,10 @@ class Pinner(Generic[U]):
             return  # back at its first choice: nothing to remember
         while len(self.moved) >= self.moved_max:
             del self.moved[next(iter(self.moved))]  # the least recently used
-        self.moved[key] = (upstream.name, self._clock() + self.moved_ttl)
+        self.moved[key] = (upstream.name, self._clock() + self.moved_ttl, time.time())
 
     def _place(self, healthy: list[U]) -> U:
+        healthy = self._fast(healthy)
         if len(healthy) == 1:
             return healthy[0]
         if self.placement == "round_robin":
@@ -445,3 +521,44 @@ class Breaker:
         """The probe ended without a verdict (cancelled, timed out): the next request probes again."""
         if self.state == HALF_OPEN:
             self.state = OPEN  # opened_at is over a cooldown ago: not blocked
+
+
+# --- pace ----------------------------------------------------------------------------------------------
+# An upstream's pace: seconds per generated token over its recent replies (time from sending to the
+# reply's end, over `usage.completion_tokens`), the ratio of two sums that decay with a time
+# constant of `window` seconds. It grows with the engine's batch and with a weaker or throttled
+# GPU, which is what an in-flight count cannot tell apart. Until a few replies are in (`PACE_MIN`),
+# or after `3 * window` without one, it is unknown (None): the pick then reads only in-flight counts,
+# and an engine no session reaches any more is soon measured afresh.
+
+PACE_MIN = 2.5  # replies, decayed, before a pace is trusted: about three recent ones
+
+
+class Pace:
+    """The pace of one upstream."""
+
+    __slots__ = ("window", "seconds", "tokens", "replies", "at", "_clock")
+
+    def __init__(self, window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.seconds = 0.0
+        self.tokens = 0.0
+        self.replies = 0.0
+        self.at = -math.inf  # when the last reply was observed
+        self._clock = clock
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """A reply that took `seconds` and generated `tokens` (at least one)."""
+        now = self._clock()
+        decay = math.exp((self.at - now) / self.window) if self.replies else 0.0
+        self.seconds = self.seconds * decay + seconds
+        self.tokens = self.tokens * decay + tokens
+        self.replies = self.replies * decay + 1.0
+        self.at = now
+
+    @property
+    def value(self) -> float | None:
+        """Seconds per token, or None while not known (too few replies, or none for a while)."""
+        if self.replies < PACE_MIN or self._clock() - self.at > 3.0 * self.window:
+            return None
+        return self.seconds / self.tokens

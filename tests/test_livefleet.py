@@ -14,7 +14,7 @@ import pytest
 
 from gymproxy import build_config, create_app
 from gymproxy.config import UpstreamSpec
-from gymproxy.pinning import Pinner, Signer
+from gymproxy.pinning import Pinner, Signer, _score
 from gymproxy.plugin import PROXIES
 from gymproxy.proxy import Proxy
 from gymproxy.testing.fake_vllm import FakeVLLM, Script
@@ -69,13 +69,22 @@ async def test_a_new_upstream_takes_sessions_once_healthy_and_removed_pins_move(
         assert change.added == [fleet[3].url] and change.removed == [fleet[2].url] and not change.changed
         await until(lambda: states(proxy)[fleet[3].url] == "healthy")  # its first check ran at once
         await until(lambda: fleet[2].url not in states(proxy))  # nothing in flight: forgotten
+        serving = list(proxy.fleet.upstreams)
+        joined = 0
         for pin, name in zip(pins, names, strict=True):
             response = await ask(session, url, pin)
             assert response.status == 200
+            _, sid, _ = signer.unsign(pin) or ("", "", 0)
+            now = signer.unsign(pin_of(response) or pin)
+            assert now is not None and now[1] == sid  # the session keeps its id wherever it goes
             if name == fleet[2].url:
-                assert (signer.unsign(pin_of(response) or "") or ("",))[0] in (fleet[0].url, fleet[1].url, fleet[3].url)
+                assert now[0] in (fleet[0].url, fleet[1].url, fleet[3].url)
+            elif max(serving, key=lambda u: _score(sid, u)).url == fleet[3].url:
+                assert now[0] == fleet[3].url  # the new upstream is its first choice: it moves there
+                joined += 1
             else:
-                assert pin_of(response) is None  # the others stay where they are
+                assert now[0] == name  # the others stay where they are
+        assert joined == proxy.fleet.pinner.moves["joined"] and 0 < joined < 20
     assert proxy.fleet.added == 1 and proxy.fleet.removed == 1
     metrics = proxy.metrics.render(proxy.fleet.gauges())
     assert "gymproxy_upstreams_added_total 1" in metrics and "gymproxy_upstreams_removed_total 1" in metrics
@@ -110,6 +119,7 @@ def test_adding_one_upstream_moves_about_one_in_n_keyed_sessions():
         def __init__(self, name: str) -> None:
             self.name = self.url = name
             self.weight, self.healthy, self.inflight, self.blocked = 1.0, True, 0, False
+            self.pace = None
 
     upstreams = [Candidate(f"vllm-{i}") for i in range(4)]
     pinner = Pinner(upstreams, Signer(b"s", 3600), placement="least_outstanding")

@@ -7,13 +7,15 @@ first with a cookie, makes that one misbehave, and checks who saw what, and when
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import time
 
 import aiohttp
 import orjson
 import pytest
 
-from gymproxy.pinning import Signer
+from gymproxy.fleet import retry_after
+from gymproxy.pinning import CLOSED, Signer
 
 from .faults import (
     CHAT,
@@ -21,12 +23,14 @@ from .faults import (
     RawRequest,
     RawUpstream,
     body_for,
+    eventually,
     fixed,
     good,
     reset_before_status,
     reset_mid_body,
     start_proxy,
     stream_then,
+    trickle,
 )
 
 SECRET = "test-secret"
@@ -109,6 +113,30 @@ async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp
     assert f'gymproxy_pin_moves_total{{reason="{moved}"}} 1' in text
 
 
+async def test_an_upstream_at_its_cap_sends_the_session_to_the_next_at_once(aiohttp_server, ups):
+    """`limits.when_full: reject`: an upstream at `max_inflight_per_upstream` saw nothing, so the
+    request goes on to the next one (no backoff, no breaker failure); only when all are full is it 503."""
+    url, proxy_ = await proxy(
+        aiohttp_server, ups[:2], limits={"max_inflight_per_upstream": 1, "when_full": "reject"}, breaker={"failures": 1}
+    )
+    a, b = ups[0], ups[1]
+    a.push(trickle(every=0.1, pieces=20))
+    held = asyncio.ensure_future(ask(url, a))  # holds a's only slot for ~2 s
+    await eventually(lambda: a.generations() == 1)
+    status, body, pin = await ask(url, a)  # pinned to a, which is full
+    assert status == 200, body
+    assert (SIGNER.unsign(pin or "") or ("",))[0] == b.url and b.generations() == 1
+    b.push(trickle(every=0.1, pieces=10))
+    also = asyncio.ensure_future(ask(url, b))  # b's only slot too
+    await eventually(lambda: b.generations() == 2)
+    status, body, _ = await ask(url, a)
+    assert status == 503 and b"cap" in body  # both full: the client hears it
+    assert [r[0] for r in await asyncio.gather(held, also)] == [200, 200]
+    text = await metrics(url)
+    assert 'gymproxy_retries_total{reason="full"} 2' in text  # a to b, twice
+    assert all(u.breaker.state == CLOSED for u in proxy_.fleet.upstreams)
+
+
 async def test_closed_before_any_byte_pooled_then_fresh(aiohttp_server, ups):
     """A pooled connection closed with no reply is re-sent once to the same upstream on a new
     connection (its idle close crossed our request); a new connection closed so goes to the next."""
@@ -168,6 +196,16 @@ async def test_retry_after_is_honoured(aiohttp_server, ups):
     started = time.monotonic()
     status, _, _ = await ask(url, ups[0])
     assert status == 200 and time.monotonic() - started >= 0.4
+
+
+def test_retry_after_reads_seconds_and_http_dates_and_ignores_the_rest():
+    soon = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert retry_after({"retry-after": "2.5"}) == 2.5
+    assert 28 <= retry_after({"retry-after": soon}) <= 30
+    assert retry_after({"retry-after": email.utils.formatdate(time.time() - 60, usegmt=True)}) == 0.0  # past
+    for junk in ("-3", "soon", "", "nan", "Mon, 99 Foo 2026 99:99:99 GMT"):
+        assert retry_after({"retry-after": junk}) == 0.0, junk
+    assert retry_after({}) == 0.0
 
 
 async def test_a_retry_after_past_the_deadline_hands_on_vllms_503(aiohttp_server, ups):

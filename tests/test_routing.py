@@ -11,7 +11,7 @@ import random
 import pytest
 
 from gymproxy.errors import NoUpstream
-from gymproxy.pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pinner, Signer, _score
+from gymproxy.pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pace, Pinner, Signer, _score
 
 
 class Clock:
@@ -31,6 +31,7 @@ class Up:
         self.healthy = True
         self.inflight = 0
         self.blocked = False
+        self.pace: float | None = None
 
     def __repr__(self) -> str:
         return f"Up({self.name})"
@@ -307,3 +308,118 @@ async def test_the_fleet_tally_follows_every_upstream():
     a.release()
     b.release()
     assert fleet.tally.inflight == 1 == a.inflight + b.inflight
+
+
+# --- pace: an engine far slower than the fastest -----------------------------------------------------
+
+
+def test_pace_is_unknown_until_a_few_replies_then_tracks_recent_ones_and_goes_stale():
+    clock = Clock()
+    pace = Pace(10.0, clock)
+    pace.observe(1.0, 100)
+    pace.observe(1.0, 100)
+    assert pace.value is None  # two replies are not enough to steer by
+    pace.observe(1.0, 100)
+    assert pace.value == pytest.approx(0.01)
+    for _ in range(50):  # the engine slows down 3x: the old replies decay away
+        clock.now += 1
+        pace.observe(3.0, 100)
+    assert pace.value == pytest.approx(0.03, rel=0.02)
+    clock.now += 31  # no reply for over 3 windows: not known any more (measured afresh when used)
+    assert pace.value is None
+
+
+def test_new_sessions_avoid_an_upstream_far_slower_than_the_fastest():
+    ups, pinner, _ = fleet()
+    for u in ups:
+        u.pace = 0.020
+    ups[0].pace = 0.029  # within 1.5x of the best: still takes its sessions
+    keys = keys_on("u0", ups, 20)
+    assert all(pinner.pick(None, key).upstream is ups[0] for key in keys)
+    _, pinner, _ = fleet_over(ups)
+    # Over 1.5x: new sessions without a key go elsewhere. A cookie-less keyed request may be a
+    # returning session, so its first choice is held to a pin's hysteresis: 1.5 x 1.5.
+    ups[0].pace = 0.031
+    assert all(pinner.pick(None).upstream is not ups[0] for _ in range(50))
+    assert all(pinner.pick(None, key).upstream is ups[0] for key in keys)
+    _, pinner, _ = fleet_over(ups)
+    ups[0].pace = 0.046
+    assert all(pinner.pick(None, key).upstream is not ups[0] for key in keys)
+    for u in ups[1:]:
+        u.pace = None  # the others' paces are not known: nothing to compare with
+    _, pinner, _ = fleet_over(ups)
+    assert all(pinner.pick(None, key).upstream is ups[0] for key in keys)
+
+
+def test_a_session_leaves_a_slow_upstream_only_past_the_hysteresis_and_off_turns_it_off():
+    ups, pinner, clock = fleet()
+    for u in ups:
+        u.pace = 0.020
+    cookie = SIGNER.sign("u0")
+    ups[0].pace = 0.040  # 2x the best: no new sessions, but pinned ones stay (under 1.5 * 1.5)
+    assert pinner.pick(cookie).cookie is None and pinner.pick(cookie).upstream is ups[0]
+    ups[0].pace = 0.050  # 2.5x
+    clock.now += 1  # past the cached best pace
+    pin = pinner.pick(cookie)
+    assert pin.upstream is not ups[0] and pinner.moves["slow"] == 1
+    _, off, _ = fleet_over(ups, pace_tolerance=None)
+    assert off.pick(cookie).upstream is ups[0] and off.pick(None, keys_on("u0", ups, 1)[0]).upstream is ups[0]
+
+
+def test_pace_differences_of_timing_noise_never_count():
+    ups, pinner, _ = fleet()
+    for u in ups:
+        u.pace = 0.0002  # a test double answering in microseconds
+    ups[0].pace = 0.0015  # 7x, but 1.3 ms a token: noise, not a slow engine
+    cookie = SIGNER.sign("u0")
+    assert pinner.pick(cookie).upstream is ups[0] and pinner.moves["slow"] == 0
+
+
+def fleet_over(ups: list[Up], **kwargs) -> tuple[list[Up], Pinner[Up], Clock]:
+    clock = Clock()
+    return ups, Pinner(ups, SIGNER, placement="least_outstanding", clock=clock, **kwargs), clock
+
+
+# --- an upstream joins: it gets its share of the running sessions --------------------------------------
+
+
+def test_pinned_sessions_whose_first_choice_joined_move_there_once_and_the_rest_stay(monkeypatch):
+    now = [1_000_000.0]
+    monkeypatch.setattr("gymproxy.pinning.time.time", lambda: now[0])
+    ups, pinner, _ = fleet()
+    cookies = [pinner.pick(None).cookie or "" for _ in range(2000)]
+    homes = [(SIGNER.unsign(c) or ("", "", 0))[0] for c in cookies]
+    now[0] += 10
+    new = Up("u4")
+    pinner.set_upstreams([*ups, new])
+    assert all(pinner.pick(c).cookie is None for c in cookies[:50])  # not joined yet (its health check)
+    pinner.joined("u4")
+    now[0] += 1
+    moved = 0
+    for cookie, home in zip(cookies, homes, strict=True):
+        pin = pinner.pick(cookie)
+        _, sid, _ = SIGNER.unsign(cookie) or ("", "", 0)
+        assert pin.cookie is not None and (SIGNER.unsign(pin.cookie) or ("", ""))[1] == sid  # re-signed, same id
+        if first_choice(sid, [*ups, new]) is new:
+            assert pin.upstream is new
+            moved += 1
+        else:
+            assert pin.upstream.name == home  # checked once, stays
+        assert pinner.pick(pin.cookie).cookie is None  # and never checked again
+    assert moved == pinner.moves["joined"] and 0.8 / 5 < moved / len(cookies) < 1.2 / 5
+
+
+def test_a_remembered_keyed_move_yields_to_a_first_choice_that_joined_later(monkeypatch):
+    now = [1_000_000.0]
+    monkeypatch.setattr("gymproxy.pinning.time.time", lambda: now[0])
+    ups, pinner, _ = fleet()
+    new = Up("u4")
+    pinner.set_upstreams([*ups, new])
+    new.healthy = False  # added, its first health check not passed yet
+    key = keys_on("u4", [*ups, new], 1)[0]
+    went = pinner.pick(None, key).upstream
+    assert went is not new and pinner.moved[key][0] == went.name
+    now[0] += 1
+    new.healthy = True
+    pinner.joined("u4")
+    assert pinner.pick(None, key).upstream is new and key not in pinner.moved

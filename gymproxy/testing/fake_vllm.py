@@ -50,6 +50,7 @@ import struct
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -719,15 +720,24 @@ class FakeVLLM:
             script.tool_calls = [{"name": named or tools[0]["name"], "arguments": "{}"}]
         return script
 
-    async def _reply(
-        self, request: web.Request, body: Json, script: Script, prompt_ids: list[int], text: str, *, chat: bool
-    ) -> web.StreamResponse:
+    async def _scripted_end(
+        self, request: web.Request, script: Script, envelope: Callable[[int, str], bytes]
+    ) -> web.StreamResponse | None:
+        """A scripted hang (until the client leaves) or error status in `envelope`; None for a reply."""
         if script.hang:
             await self._idle(request, None)
             return web.Response()
         if script.status != 200:
             message = script.error_message or f"fake vLLM: scripted error {script.status}"
-            return _json_response(script.error_body or error_body(script.status, message), status=script.status)
+            return _json_response(script.error_body or envelope(script.status, message), status=script.status)
+        return None
+
+    async def _reply(
+        self, request: web.Request, body: Json, script: Script, prompt_ids: list[int], text: str, *, chat: bool
+    ) -> web.StreamResponse:
+        scripted = await self._scripted_end(request, script, error_body)
+        if scripted is not None:
+            return scripted
         budget = self._budget(body, len(prompt_ids), None if chat else COMPLETIONS_MAX_TOKENS)
         turn = self._turn(body, script, prompt_ids, text, budget, chat=chat)
         if body.get("stream"):
@@ -834,12 +844,9 @@ class FakeVLLM:
     async def _message_reply(
         self, request: web.Request, chat: Json, script: Script, prompt_ids: list[int], text: str
     ) -> web.StreamResponse:
-        if script.hang:
-            await self._idle(request, None)
-            return web.Response()
-        if script.status != 200:
-            message = script.error_message or f"fake vLLM: scripted error {script.status}"
-            return _json_response(script.error_body or anthropic_error(script.status, message), status=script.status)
+        scripted = await self._scripted_end(request, script, anthropic_error)
+        if scripted is not None:
+            return scripted
         turn = self._turn(chat, script, prompt_ids, text, self._budget(chat, len(prompt_ids), None), chat=True)
         if chat.get("stream"):
             error = _event(
