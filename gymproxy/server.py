@@ -186,18 +186,13 @@ def follow(launcher: Launcher, proxy: Proxy) -> None:
     fleet = proxy.fleet
     proxy.replicas = launcher.states
 
-    def upstream(name: str) -> Any:
-        return next((u for u in fleet.upstreams if u.name == name), None)
-
     def down(name: str, why: str) -> None:
-        if (u := upstream(name)) is not None:
+        if (u := fleet.find(name)) is not None:
             fleet.mark(u, False, why)
 
     def ready(name: str) -> None:
-        if (u := upstream(name)) is not None:
-            u.failed_checks = 0
-            fleet.mark(u, True)
-            u.fresh = False
+        if (u := fleet.find(name)) is not None:
+            fleet.ready(u)
 
     launcher.on_down, launcher.on_ready = down, ready
     _hold_unready(proxy, launcher.states())
@@ -219,10 +214,10 @@ def follow_file(path: Path, proxy: Proxy) -> None:
 
 def _hold_unready(proxy: Proxy, states: list[dict[str, Any]]) -> None:
     """Replicas not ready yet take no sessions until their first health check passes."""
-    unready = {state["name"] for state in states if state["state"] != "ready"}
-    for u in proxy.fleet.upstreams:
-        if u.name in unready:
-            u.healthy, u.fresh = False, True
+    fleet = proxy.fleet
+    for state in states:
+        if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
+            fleet.hold(u)
 
 
 def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[], None]:
