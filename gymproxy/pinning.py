@@ -529,11 +529,11 @@ class Breaker:
 # An upstream's pace: seconds per generated token over its recent replies (time from sending to the
 # reply's end, over `usage.completion_tokens`), the ratio of two sums that decay with a time
 # constant of `window` seconds. It grows with the engine's batch and with a weaker or throttled
-# GPU, which is what an in-flight count cannot tell apart. Until a few replies are in (`PACE_MIN`),
+# GPU, which is what an in-flight count cannot tell apart. Until some 20 replies are in (`PACE_MIN`),
 # or after `3 * window` without one, it is unknown (None): the pick then reads only in-flight counts,
 # and an engine no session reaches any more is soon measured afresh.
 
-PACE_MIN = 2.5  # replies, decayed, before a pace is trusted: about three recent ones
+PACE_MIN = 20.0  # replies (decayed) before a pace is trusted: a few are noise, not a slow engine
 
 
 class Pace:
