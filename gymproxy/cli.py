@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -19,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, server
+from . import __version__, launch, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
 from .peers import Peers
@@ -41,8 +43,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"gymproxy: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
-        urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
-        print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
+        if config.launch is not None:
+            print(f"ok: launches {config.launch.replicas} vLLM replica(s) of {config.launch.model}")
+        else:
+            urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
+            print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         if args._unresolved:
             given = ", ".join(f"${{{name}}} ({where})" for name, where in sorted(args._unresolved.items()))
             print(f"given at serve time (--set or the environment): {given}")
@@ -52,10 +57,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
     reload = Loader(args.config, dict(_pair(item) for item in args.set), args.server, args._extra)
-    if workers == 1:
+    if config.launch is not None:
+        _serve_launched(config, workers, reload)
+    elif workers == 1:
         server.run(config, fake_port=fake_port, reload=reload)
     else:
         serve_workers(config, workers, fake_port=fake_port, reload=reload)
+
+
+def _serve_launched(config: Config, workers: int, reload: Loader) -> None:
+    """`serve` with `launch`: gymproxy starts its vLLM replicas, and fails with status 1 when none starts."""
+    try:
+        launcher = launch.prepare(config)
+    except ConfigError as exc:
+        print(f"gymproxy: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    reload.launched = launcher.config
+    try:
+        if workers == 1:
+            server.run(launcher.config, reload=reload, launcher=launcher)
+        else:
+            serve_workers(launcher.config, workers, reload=reload, launcher=launcher)
+    except launch.LaunchFailed as exc:
+        log.error("%s", exc)
+        print(f"gymproxy: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 class Loader:
@@ -63,12 +89,21 @@ class Loader:
 
     def __init__(self, path: str | None, overrides: dict[str, str], server: str | None, extra: dict[str, Any]) -> None:
         self.path, self.overrides, self.server, self.extra = path, overrides, server, extra
+        self.launched: Config | None = None  # with `launch`: the config its replicas were planned in
 
     def __call__(self) -> Config:
-        return load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+        config = load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+        return config if self.launched is None else launch.keep_replicas(config, self.launched)
 
 
-def serve_workers(config: Config, workers: int, *, fake_port: int | None = None, reload: Loader | None = None) -> None:
+def serve_workers(
+    config: Config,
+    workers: int,
+    *,
+    fake_port: int | None = None,
+    reload: Loader | None = None,
+    launcher: launch.Launcher | None = None,
+) -> None:
     """N processes share the port (SO_REUSEPORT); the kernel spreads connections between them.
 
     Pins stay consistent across workers because every worker checks cookies with the same secret:
@@ -76,6 +111,12 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     config re-read on SIGHUP finds it too). A SIGHUP here is forwarded to every worker; a worker
     sends one here when an admin route changed the fleet, after writing the change to the overlay
     file every worker reads (in a private directory that lives as long as this process).
+
+    With `launcher`, this parent runs the vLLM replicas (on an event loop it steps while it watches
+    the workers), starts the workers once one replica is ready, and stops the replicas after the
+    workers have drained. Each worker finds a replica that died on its next request there (refused:
+    marked down, the request re-sent) or health check, and shows their states, which this parent
+    writes to the private directory, in /health.
     """
     if config.pinning.secret is None:
         secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
@@ -85,12 +126,29 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     # which each worker serves its own metrics, so the one a scrape reaches answers for all (peers.py).
     runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))
     overlay = runtime / "fleet.json"
+    replicas = runtime / "replicas.json" if launcher is not None else None
+    stepping = None
+    if launcher is not None:
+        stepping = asyncio.new_event_loop()
+        ready = False
+        try:
+            ready = stepping.run_until_complete(_first_ready(launcher))
+        finally:
+            if not ready:
+                stepping.run_until_complete(launcher.stop())
+                stepping.close()
+                shutil.rmtree(runtime, ignore_errors=True)
+        if not ready:
+            return
+        _write_states(replicas, launcher)
     context = multiprocessing.get_context("spawn")
     children = []
     if fake_port is not None:
         children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
     serving = [
-        context.Process(target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers), daemon=True)
+        context.Process(
+            target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers, replicas), daemon=True
+        )
         for index in range(workers)
     ]
     children += serving
@@ -120,26 +178,70 @@ def serve_workers(config: Config, workers: int, *, fake_port: int | None = None,
     signal.signal(signal.SIGINT, stop)
     try:
         while all(child.is_alive() for child in children):
-            time.sleep(0.2)
+            if stepping is None or launcher is None:
+                time.sleep(0.2)
+            else:
+                stepping.run_until_complete(asyncio.sleep(0.2))
+                _write_states(replicas, launcher)
     finally:
         stop(0, None)
+        if launcher is not None:
+            launcher.hold()
         for child in children:
             child.join(timeout=config.shutdown_grace_s + 5)
             if child.is_alive():
                 child.kill()
                 child.join()
+        if stepping is not None and launcher is not None:
+            stepping.run_until_complete(launcher.stop())
+            stepping.close()
         shutil.rmtree(runtime, ignore_errors=True)
     codes = [child.exitcode for child in children]
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
 
-def _run_worker(config: Config, reload: Loader | None, overlay: Path, runtime: str, index: int, workers: int) -> None:
+async def _first_ready(launcher: launch.Launcher) -> bool:
+    """Start the replicas; True once one is ready, False on SIGTERM or SIGINT first."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await launcher.start()
+        return await launcher.wait_ready(stop)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def _write_states(path: Path | None, launcher: launch.Launcher) -> None:
+    """The replicas' states for the workers' /health (replaced whole, so a reader never sees half)."""
+    if path is None:
+        return
+    data = msgspec.json.encode(launcher.states())
+    if path.exists() and path.read_bytes() == data:
+        return
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)
+
+
+def _run_worker(
+    config: Config,
+    reload: Loader | None,
+    overlay: Path,
+    runtime: str,
+    index: int,
+    workers: int,
+    replicas: Path | None = None,
+) -> None:
     # A SIGHUP before the loop handles it must not end the worker (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=Peers(runtime, index, workers))
+    peers = Peers(runtime, index, workers)
+    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=peers, replicas=replicas)
 
 
 def _run_fake(port: int, model: str) -> None:
@@ -155,14 +257,38 @@ def _load(args: argparse.Namespace) -> Config:
         args._unresolved = None if args.strict else {}
         return load_config(args.file, overrides=overrides, server=args.server, unresolved=args._unresolved)
     extra: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model, "api_key": args.api_key}
+    launched = _launch_flags(args)
+    if launched:
+        extra["launch"] = launched
     if args.upstream:
         extra["base_url"] = args.upstream
-    elif args.config is None:
+    elif args.config is None and not args.launch_vllm:
         port = _free_port()
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
     args._extra = extra
     return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
+
+
+def _launch_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The `launch` keys the serve flags set (`--launch-vllm "MODEL ARGS..."`, `--replicas`, ...)."""
+    keys: dict[str, Any] = {}
+    if args.launch_vllm is not None:
+        try:
+            words = shlex.split(args.launch_vllm)
+        except ValueError as exc:
+            raise ConfigError(f"--launch-vllm: cannot split {args.launch_vllm!r}: {exc}") from None
+        if not words or words[0].startswith("-"):
+            raise ConfigError('--launch-vllm takes "MODEL [vllm serve args...]", the model first')
+        keys["model"], keys["args"] = words[0], words[1:]
+    flags = {
+        "replicas": args.replicas,
+        "gpus_per_replica": args.gpus_per_replica,
+        "vllm_bin": args.vllm_bin,
+        "log_dir": args.vllm_log_dir,
+    }
+    keys.update({key: value for key, value in flags.items() if value is not None})
+    return keys
 
 
 def _unstand(url: str) -> str:
@@ -203,6 +329,17 @@ def _parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="NAME=VALUE", help="resolve ${NAME} (or set a config key)"
     )
     serve.add_argument("--workers", type=int, help="worker processes sharing the port (default: num_workers or 1)")
+    serve.add_argument(
+        "--launch-vllm",
+        metavar='"MODEL [ARGS...]"',
+        help="start `vllm serve MODEL ARGS...` replicas and serve in front of them (the `launch` section)",
+    )
+    serve.add_argument("--replicas", type=int, help="vLLM replicas to launch (default 1)")
+    serve.add_argument(
+        "--gpus-per-replica", type=int, help="GPUs per replica (default: its parallel sizes; 0: a CPU vLLM)"
+    )
+    serve.add_argument("--vllm-bin", help="the vllm executable (default: `vllm` on PATH)")
+    serve.add_argument("--vllm-log-dir", help="write each replica's output to DIR/vllm-<i>.log, not to this log")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
     check.add_argument("file")

@@ -2,16 +2,19 @@
 
 The file is either flat (every key of `Config` at the top level) or NeMo Gym's nested layout
 (`<server name>: responses_api_models: vllm_model: {...}`), so NeMo Gym's own `vllm_model.yaml`
-loads unchanged. `${name}` placeholders are resolved from `--set name=value` first, then from the
-environment; an unresolved one is an error. The environment is read only here, and only through
-the `environ` argument.
+loads unchanged; a `local_vllm_model` block there becomes a `launch` section
+(`from_local_vllm_model`). `${name}` placeholders are resolved from `--set name=value` first, then
+from the environment; an unresolved one is an error. The environment is read only here, and only
+through the `environ` argument.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -154,6 +157,37 @@ class Limits(Settings, frozen=True, kw_only=True):
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
 
 
+class Restart(Settings, frozen=True, kw_only=True):
+    """How a launched vLLM that exits while gymproxy serves is restarted: after a backoff (`backoff_s`,
+    doubling with each restart in the window up to `backoff_max_s`), at most `attempts` times within
+    any `window_s`; past that it is given up (an error in the log and in /health)."""
+
+    attempts: Annotated[int, msgspec.Meta(ge=0)] = 5  # 0: never restart
+    window_s: Seconds = 600.0
+    backoff_s: Seconds = 2.0
+    backoff_max_s: Seconds = 60.0
+
+
+class Launch(Settings, frozen=True, kw_only=True):
+    """vLLM servers gymproxy starts, supervises and stops itself (`gymproxy serve --launch-vllm`)."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]  # what `vllm serve` is given first
+    args: list[str] = []  # the rest of the `vllm serve` command line (a string is split like a shell)
+    replicas: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # GPUs of each replica's CUDA_VISIBLE_DEVICES; None: the product of the parallel sizes in `args`
+    # when the host has GPUs, else 0; 0: CUDA_VISIBLE_DEVICES is left as it is (a CPU vLLM).
+    gpus_per_replica: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    vllm_bin: str = "vllm"  # found on PATH unless a path
+    env: dict[str, str] = {}  # added to each replica's environment
+    hf_home: str | None = None  # HF_HOME of the replicas (where models are downloaded to)
+    log_dir: str | None = None  # each replica's output to <log_dir>/vllm-<i>.log, not gymproxy's log
+    base_port: Port | None = None  # replica i listens on base_port + i (None: free ports)
+    startup_timeout_s: Seconds = 1200.0  # a replica whose /health does not answer by then has failed
+    progress_interval_s: Seconds = 30.0  # how often a replica still loading is reported
+    stop_grace_s: Seconds = 30.0  # SIGTERM, then SIGKILL of its process group after this
+    restart: Restart = Restart()
+
+
 class Config(Settings, frozen=True, kw_only=True):
     """Everything gymproxy needs; NeMo Gym's `vllm_model` keys keep their names and defaults."""
 
@@ -228,6 +262,8 @@ class Config(Settings, frozen=True, kw_only=True):
     # Serve Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`, `/api/hello`) by
     # relaying it to the session's upstream, vLLM's own Anthropic endpoint.
     anthropic_messages: bool = True
+    # Start the upstreams: `vllm serve` processes gymproxy supervises (launch.py).
+    launch: Launch | None = None
 
 
 # Options NeMo Gym has that gymproxy does not implement: refused at startup, never ignored silently.
@@ -269,7 +305,13 @@ def load_config(
         raise ConfigError(f"config {path}: the top level must be a mapping")
     raw = _resolve(raw, overrides, environ, "", unresolved)
     section, name = _section(raw, server)
-    section = {**section, **{k: v for k, v in extra.items() if v is not None}}
+    section = dict(section)
+    for key, value in extra.items():
+        if value is None:
+            continue
+        if isinstance(value, dict) and isinstance(section.get(key), dict):
+            value = {**section[key], **value}  # `--replicas 2` keeps the file's other launch keys
+        section[key] = value
     if name is not None:
         section.setdefault("name", name)
     for key, value in overrides.items():
@@ -328,6 +370,7 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
     """Validate one flat mapping of config keys."""
     section = dict(section)
     _read_old_session_header(section)
+    _split_launch_args(section)
     if isinstance(section.get("base_url"), str):
         section["base_url"] = [section["base_url"]]
     if section.get("reasoning_field") is None:
@@ -361,6 +404,27 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
     return config
 
 
+def _split_launch_args(section: dict[str, Any]) -> None:
+    """`launch.args` given as one string (`--launch-vllm`, a YAML scalar) is split as a shell would,
+    and `launch.env` values YAML reads as numbers or booleans (`VLLM_USE_V1: 1`) are taken as written."""
+    launch = section.get("launch")
+    if not isinstance(launch, dict):
+        return
+    launch = dict(launch)
+    if isinstance(launch.get("args"), str):
+        try:
+            launch["args"] = shlex.split(launch["args"])
+        except ValueError as exc:
+            raise ConfigError(f"config: launch.args: cannot split {launch['args']!r}: {exc}") from None
+    if isinstance(launch.get("env"), dict):
+        scalar = (bool, int, float)
+        launch["env"] = {
+            k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, scalar) else v
+            for k, v in launch["env"].items()
+        }
+    section["launch"] = launch
+
+
 def _read_old_session_header(section: dict[str, Any]) -> None:
     """`pinning.session_header: NAME` (one header, before harnesses sent their own) means `session_headers: [NAME]`."""
     pinning = section.get("pinning")
@@ -377,8 +441,16 @@ def _read_old_session_header(section: dict[str, Any]) -> None:
 
 
 def _check(config: Config) -> None:
-    if not config.base_url and not config.upstreams and config.upstreams_dns is None:
-        raise ConfigError("config: `base_url` (or `upstreams`, or `upstreams_dns`) needs at least one upstream URL")
+    given = config.base_url or config.upstreams or config.upstreams_dns is not None
+    if config.launch is not None and given:
+        raise ConfigError(
+            "config: `launch` starts the upstreams itself; give it or `base_url`/`upstreams`/`upstreams_dns`, not both"
+        )
+    if not given and config.launch is None:
+        raise ConfigError(
+            "config: `base_url` (or `upstreams`, or `upstreams_dns`) needs at least one upstream URL, "
+            "or `launch` (--launch-vllm) to start them"
+        )
     if config.upstreams_dns is not None:
         try:
             dns_target(config.upstreams_dns)
@@ -445,7 +517,8 @@ def dns_target(value: str) -> DnsTarget:
 
 
 def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], str | None]:
-    """Find the vllm_model section in NeMo Gym's nested layout, or take a flat file as it is."""
+    """Find the vllm_model (or local_vllm_model) section in NeMo Gym's nested layout, or take a flat
+    file as it is."""
     nested = {
         key: value
         for key, value in raw.items()
@@ -456,12 +529,15 @@ def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], s
     stray = sorted(set(raw) - set(nested))
     if stray:
         raise ConfigError(f"config: unknown top-level key(s) {stray} beside NeMo Gym server entries")
-    models = {
-        key: value["responses_api_models"]["vllm_model"]
-        for key, value in nested.items()
-        if isinstance(value.get("responses_api_models"), dict)
-        and isinstance(value["responses_api_models"].get("vllm_model"), dict)
-    }
+    models: dict[str, dict[str, Any]] = {}
+    for key, value in nested.items():
+        kinds = value.get("responses_api_models")
+        if not isinstance(kinds, dict):
+            continue
+        for kind in NEMO_MODEL_TYPES:
+            if isinstance(kinds.get(kind), dict):
+                block = kinds[kind]
+                models[key] = from_local_vllm_model(block) if kind == "local_vllm_model" else block
     if server is not None:
         if server not in models:
             raise ConfigError(f"config: no vllm_model server named {server!r} (found {sorted(models)})")
@@ -471,6 +547,95 @@ def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], s
         raise ConfigError(f"config: expected exactly one vllm_model server, found {found}; pick one with --server")
     ((name, section),) = models.items()
     return section, name
+
+
+NEMO_MODEL_TYPES = ("vllm_model", "local_vllm_model")
+# local_vllm_model keys gymproxy does not implement, refused by name whenever they are set.
+_LOCAL_REFUSED = {
+    "router": "gymproxy itself routes between the replicas",
+    "pd": "prefill/decode disaggregation is not supported",
+    "ray_worker_py_executable": "gymproxy starts `vllm serve` as a process, not through Ray; "
+    "give subprocess.executable (launch.vllm_bin)",
+}
+# Its `subprocess:` keys, as `launch` keys; the others there are refused by name.
+_LOCAL_SUBPROCESS = {
+    "executable": "vllm_bin",
+    "port": "base_port",
+    "startup_timeout_seconds": "startup_timeout_s",
+    "shutdown_timeout_seconds": "stop_grace_s",
+    "log_dir": "log_dir",
+}
+_LOCAL_MANAGED = ("host", "port", "uds")  # vllm_serve_kwargs gymproxy sets itself
+
+
+def from_local_vllm_model(block: dict[str, Any]) -> dict[str, Any]:
+    """A NeMo Gym `local_vllm_model` block as gymproxy keys: the `vllm_model` keys it shares stay,
+    and `vllm_serve_kwargs`, `vllm_serve_env_vars`, `hf_home` and `subprocess` become `launch`, so
+    gymproxy starts the server LocalVLLMModel would (one `vllm serve model --download-dir
+    <hf_home>/hub ...` on the GPUs its parallel sizes need). A block with a `base_url` names a server
+    already running, as in NeMo Gym: nothing is launched. A `launch` key of the block's own wins."""
+    section = dict(block)
+    kwargs = section.pop("vllm_serve_kwargs", None) or {}
+    env = section.pop("vllm_serve_env_vars", None) or {}
+    hf_home = section.pop("hf_home", None)
+    show_stats = section.pop("show_vllm_engine_stats", False)
+    subprocess = section.pop("subprocess", None) or {}
+    launcher = section.pop("launcher", "ray")
+    section.pop("debug", None)  # gymproxy always logs each replica's command line
+    for key, why in _LOCAL_REFUSED.items():
+        if section.pop(key, None) is not None:
+            raise ConfigError(f"config: local_vllm_model `{key}` is not supported by gymproxy ({why})")
+    if section.get("base_url"):
+        return section
+    if launcher not in ("ray", "subprocess"):
+        raise ConfigError(f"config: local_vllm_model `launcher` must be ray or subprocess, got {launcher!r}")
+    if not isinstance(kwargs, dict) or not isinstance(env, dict) or not isinstance(subprocess, dict):
+        raise ConfigError(
+            "config: local_vllm_model `vllm_serve_kwargs`, `vllm_serve_env_vars` and `subprocess` are mappings"
+        )
+    model = section.get("model")
+    if not isinstance(model, str) or not model:
+        raise ConfigError("config: local_vllm_model needs `model` (the checkpoint to serve)")
+    launch: dict[str, Any] = {}
+    for key, value in subprocess.items():
+        if key not in _LOCAL_SUBPROCESS:
+            raise ConfigError(f"config: local_vllm_model `subprocess.{key}` is not supported by gymproxy")
+        launch[_LOCAL_SUBPROCESS[key]] = value
+    options = {str(key).replace("-", "_"): value for key, value in kwargs.items()}
+    for key in _LOCAL_MANAGED:
+        if key in options:
+            raise ConfigError(f"config: local_vllm_model `vllm_serve_kwargs.{key}` is set by gymproxy for each replica")
+    checkpoint = options.pop("model", model)
+    if checkpoint != model:
+        options.setdefault("served_model_name", model)
+    # NeMo Gym's default: ./.cache/huggingface, and models downloaded to its hub/.
+    hf_home = hf_home or str(Path.cwd() / ".cache" / "huggingface")
+    options.setdefault("download_dir", str(Path(hf_home) / "hub"))
+    if not show_stats:
+        options.setdefault("disable_log_stats", True)
+    launch |= {"model": str(checkpoint), "args": to_vllm_args(options), "env": env, "hf_home": hf_home}
+    own = section.pop("launch", None)
+    section["launch"] = {**launch, **own} if isinstance(own, dict) else launch
+    return section
+
+
+def to_vllm_args(options: Mapping[str, Any]) -> list[str]:
+    """`vllm_serve_kwargs` as `vllm serve` flags: `key: v` is `--key=v` (underscores as dashes),
+    `true`/`false` `--key`/`--no-key`, a list `--key a b`, a mapping JSON; `null` is left out."""
+    args: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *(json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v) for v in value)]
+        elif isinstance(value, dict):
+            args.append(f"{flag}={json.dumps(value)}")
+        else:
+            args.append(f"{flag}={value}")
+    return args
 
 
 def _resolve(

@@ -560,6 +560,23 @@ class Fleet:
         if ok:
             self._joined(upstream)
 
+    def find(self, name: str) -> Upstream | None:
+        """The serving upstream called `name`, if any."""
+        return self.pinner.by_name.get(name)
+
+    def hold(self, upstream: Upstream) -> None:
+        """Not ready yet (a launched replica loading its model): it takes no sessions until it is
+        `ready` or its first health check passes, as an upstream added live."""
+        upstream.healthy, upstream.fresh = False, True
+
+    def ready(self, upstream: Upstream) -> None:
+        """It is known to answer (a launched replica came up): healthy at once, and if it was held,
+        it joins (`Pinner.joined`), so it gets its share of the sessions that started without it.
+        A restarted one was not held: it takes new sessions only."""
+        upstream.failed_checks = 0
+        self.mark(upstream, True)
+        self._joined(upstream)
+
     def _joined(self, upstream: Upstream) -> None:
         """It is healthy: if it was added live, it takes sessions from now on."""
         if upstream.fresh:

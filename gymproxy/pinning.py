@@ -227,8 +227,10 @@ class Pinner(Generic[U]):
         self.upstreams: list[U] = []
         self.by_name: dict[str, U] = {}
         self._weights = 1.0
-        self._joins: dict[str, float] = {}  # upstream added live -> when it first took sessions (time.time())
-        self._last_join = 0.0
+        # upstream added live -> when it first took sessions, in whole seconds as pins are issued: a pin
+        # issued in the same second is taken as issued after it (it is never moved twice)
+        self._joins: dict[str, int] = {}
+        self._last_join = 0
         self._best_pace: float | None = None
         self._best_pace_until = -math.inf
         self.set_upstreams(upstreams)
@@ -240,14 +242,14 @@ class Pinner(Generic[U]):
         self._weights = sum(u.weight for u in self.upstreams) or 1.0
         self._best_pace_until = -math.inf
         self._joins = {name: at for name, at in self._joins.items() if name in self.by_name}
-        self._last_join = max(self._joins.values(), default=0.0)
+        self._last_join = max(self._joins.values(), default=0)
 
     def joined(self, name: str) -> None:
         """The upstream `name`, added live, takes sessions now: each pinned session whose first
         rendezvous choice it is moves there on its next request (as keyed sessions do at once), so
         a new engine gets its share of the sessions that were already running."""
         if name in self.by_name:
-            self._joins[name] = self._last_join = time.time()
+            self._joins[name] = self._last_join = int(time.time())
 
     def pick(
         self,
@@ -331,7 +333,7 @@ class Pinner(Generic[U]):
     def _joiner(self, home: U, key: str, issued: int) -> U | None:
         """The upstream added since the pin was issued that is now `key`'s first choice and fine, if any."""
         top = max(self.upstreams, key=lambda u: _score(key, u))
-        if top is home or self._joins.get(top.name, 0.0) <= issued or self._trouble(top) is not None:
+        if top is home or self._joins.get(top.name, 0) <= issued or self._trouble(top) is not None:
             return None
         return top
 
@@ -418,7 +420,7 @@ class Pinner(Generic[U]):
             return None
         if since < self._last_join:
             first = max(self.upstreams, key=lambda u: _score(key, u))
-            if self._joins.get(first.name, 0.0) > since:
+            if self._joins.get(first.name, 0) > since:
                 return None
             since = time.time()
         self.moved[key] = (name, now + self.moved_ttl, since)  # used: fresh again, and last in LRU order
@@ -527,11 +529,11 @@ class Breaker:
 # An upstream's pace: seconds per generated token over its recent replies (time from sending to the
 # reply's end, over `usage.completion_tokens`), the ratio of two sums that decay with a time
 # constant of `window` seconds. It grows with the engine's batch and with a weaker or throttled
-# GPU, which is what an in-flight count cannot tell apart. Until a few replies are in (`PACE_MIN`),
+# GPU, which is what an in-flight count cannot tell apart. Until some 20 replies are in (`PACE_MIN`),
 # or after `3 * window` without one, it is unknown (None): the pick then reads only in-flight counts,
 # and an engine no session reaches any more is soon measured afresh.
 
-PACE_MIN = 2.5  # replies, decayed, before a pace is trusted: about three recent ones
+PACE_MIN = 20.0  # replies (decayed) before a pace is trusted: a few are noise, not a slow engine
 
 
 class Pace:

@@ -59,6 +59,7 @@ class Proxy:
         self.discovered: list[UpstreamSpec] = []
         self._dns_failure: str | None = None
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
+        self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""

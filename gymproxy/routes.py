@@ -216,10 +216,13 @@ async def models(proxy: Proxy, request: web.Request, caller: Caller) -> web.Stre
 
 
 async def health(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
-    """`GET /health`: 200 while at least one upstream is healthy, 503 otherwise; lists each upstream."""
+    """`GET /health`: 200 while at least one upstream is healthy, 503 otherwise; lists each upstream
+    (and each launched vLLM replica's state, with `launch`)."""
     states = proxy.fleet.states()
     ok = any(state["healthy"] for state in states)
-    body = {"status": "ok" if ok else "unavailable", "upstreams": states}
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "upstreams": states}
+    if proxy.replicas is not None:
+        body["replicas"] = proxy.replicas()
     return web.Response(body=ENCODER.encode(body), status=200 if ok else 503, content_type=JSON)
 
 

@@ -7,7 +7,8 @@ which a new connection is answered 503 at once, so stalled or abandoned clients 
 file descriptors that upstream connections and health checks need. On SIGTERM or SIGINT the
 listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
 ended (streams with their terminal event; `plugin.setup` keeps the grace). A plugin leaves the
-listener and the process to its host app.
+listener and the process to its host app. With `launch` (a `launch.Launcher`), the vLLM replicas
+start first, the listener opens once one of them is ready, and they are stopped after the drain.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 from aiohttp import web
 
 from . import __version__
 from .config import Config, ConfigError
+from .launch import Launcher
 from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
 from .proxy import Proxy
@@ -58,6 +61,8 @@ def run(
     reload: Callable[[], Config] | None = None,
     overlay: Path | None = None,
     peers: Peers | None = None,
+    launcher: Launcher | None = None,
+    replicas: Path | None = None,
 ) -> None:
     """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it.
 
@@ -65,12 +70,15 @@ def run(
     a config it cannot read is logged and the fleet stays. With `overlay` (a worker of
     `--workers N`), the admin changes are shared through that file, and a change taken here is
     announced to the parent with a SIGHUP, which it forwards to every worker. With `peers` (a
-    worker too), its `/metrics` covers every worker."""
+    worker too), its `/metrics` covers every worker. With `launcher`, its replicas are the upstreams
+    (`config` is `launcher.config`; a `reload` must keep them, as `launch.keep_replicas` does), and
+    `launch.LaunchFailed` is raised when none of them starts. With `replicas` (a worker of `--workers
+    N` with `launch`), /health shows the replicas' states the parent writes to that file."""
     raise_open_files(config.limits.open_files)
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers))
+        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers, launcher, replicas))
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -85,6 +93,38 @@ async def _serve(
     reload: Callable[[], Config] | None,
     overlay: Path | None,
     peers: Peers | None,
+    launcher: Launcher | None = None,
+    replicas: Path | None = None,
+) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    if launcher is None:
+        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None, replicas)
+        return
+    try:
+        await launcher.start()
+        if await launcher.wait_ready(stop):
+            await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, launcher)
+        else:
+            log.info("stopping before any vLLM replica was ready")
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await launcher.stop()
+
+
+async def _serve_app(
+    config: Config,
+    fake_port: int | None,
+    reuse_port: bool,
+    reload: Callable[[], Config] | None,
+    overlay: Path | None,
+    peers: Peers | None,
+    stop: asyncio.Event,
+    launcher: Launcher | None,
+    replicas: Path | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
@@ -99,6 +139,10 @@ async def _serve(
         app.cleanup_ctx.insert(0, _fake_vllm(fake_port, config.model or "fake-model"))
     if config.access.admin_port is not None:
         app.cleanup_ctx.append(_admin_site(app[PROXIES][0], config, reuse_port))
+    if launcher is not None:
+        follow(launcher, proxy)
+    elif replicas is not None:
+        follow_file(replicas, proxy)
     access_log = logging.getLogger("aiohttp.access") if config.access_log else None
     runner = web.AppRunner(
         app,
@@ -113,9 +157,6 @@ async def _serve(
     listener = await loop.create_server(
         cap.protocol, config.host, config.port, backlog=config.limits.backlog, reuse_port=reuse_port or None
     )
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGHUP, _reloader(proxy, reload))
     tune_gc()
     log.info(
@@ -132,8 +173,51 @@ async def _serve(
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         log.info("stopping: no new connections; requests in flight get %g s", config.shutdown_grace_s)
+        if launcher is not None:
+            launcher.hold()  # a replica that exits during the drain stays down
         listener.close()
         await runner.cleanup()  # app.on_shutdown starts the grace (plugin.setup), then waits for handlers
+
+
+def follow(launcher: Launcher, proxy: Proxy) -> None:
+    """Keep the fleet in step with the replicas: one that exits is down at once (its sessions move
+    on their next request), one ready again takes new sessions at once; /health lists them all.
+    A replica not ready yet takes no sessions, as an upstream added live (`Upstream.fresh`)."""
+    fleet = proxy.fleet
+    proxy.replicas = launcher.states
+
+    def down(name: str, why: str) -> None:
+        if (u := fleet.find(name)) is not None:
+            fleet.mark(u, False, why)
+
+    def ready(name: str) -> None:
+        if (u := fleet.find(name)) is not None:
+            fleet.ready(u)
+
+    launcher.on_down, launcher.on_ready = down, ready
+    _hold_unready(proxy, launcher.states())
+
+
+def follow_file(path: Path, proxy: Proxy) -> None:
+    """A worker's view of the replicas its parent runs: their states for /health from `path`; the
+    fleet learns of their changes by itself (a refused request, a health check)."""
+
+    def states() -> list[dict[str, Any]]:
+        try:
+            return cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
+        except (OSError, msgspec.DecodeError):
+            return []
+
+    proxy.replicas = states
+    _hold_unready(proxy, states())
+
+
+def _hold_unready(proxy: Proxy, states: list[dict[str, Any]]) -> None:
+    """Replicas not ready yet take no sessions until their first health check passes."""
+    fleet = proxy.fleet
+    for state in states:
+        if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
+            fleet.hold(u)
 
 
 def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[], None]:

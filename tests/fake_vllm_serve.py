@@ -1,0 +1,89 @@
+"""A stand-in for the `vllm` command, for the tests of `launch`: `fake_vllm_serve.py serve MODEL ... --port P`.
+
+It serves the bundled fake vLLM (gymproxy.testing.fake_vllm) on the port gymproxy gives it, after
+printing a few log lines, and starts a child process of its own (as vLLM starts its EngineCore), so
+a test can check that the whole process group goes. What each start of each replica does comes from
+FAKE_VLLM_PLAN, e.g. `0=ok,exit3;1=slow2`: replica 0 serves on its first start and exits with 3 on
+every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit<code>` (before
+listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
+`stubborn` (serves, ignoring SIGTERM). The last action of a list repeats; unlisted replicas are `ok`.
+Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def plan(replica: str) -> list[str]:
+    for part in os.environ.get("FAKE_VLLM_PLAN", "").split(";"):
+        name, _, actions = part.partition("=")
+        if name.strip() == replica and actions.strip():
+            return [a.strip() for a in actions.split(",")]
+    return ["ok"]
+
+
+def flag(args: list[str], name: str, default: str) -> str:
+    return args[args.index(name) + 1] if name in args else default
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] != ["serve"] or len(args) < 2:
+        print(f"fake vllm: usage: serve MODEL ... (got {args})", file=sys.stderr)
+        raise SystemExit(2)
+    model = flag(args, "--served-model-name", args[1])
+    port = int(flag(args, "--port", "8000"))
+    replica = os.environ.get("GYMPROXY_REPLICA", "0")
+    state = Path(os.environ.get("FAKE_VLLM_DIR", "."))
+    counter = state / f"starts-{replica}"
+    start = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(start))
+    actions = plan(replica)
+    action = actions[min(start, len(actions)) - 1]
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with (state / "pids").open("a") as out:
+        out.write(f"{replica} {start} {os.getpid()} {engine.pid}\n")
+    print(f"INFO fake vllm {model}: replica {replica} start {start}: {action}", flush=True)
+    print(f"INFO args: {' '.join(args)}", flush=True)
+    print(f"INFO CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}", flush=True)
+    if action.startswith("exit"):
+        print("ERROR fake vllm: something went wrong while loading", flush=True)
+        engine.kill()
+        raise SystemExit(int(action[4:]))
+    if action == "hang":
+        time.sleep(600)
+    if action.startswith("slow"):
+        until = time.monotonic() + float(action[4:])
+        while time.monotonic() < until:
+            print("INFO Loading weights...", flush=True)
+            time.sleep(0.2)
+    if action == "garbage":
+        sys.stdout.buffer.write(b"\x00\x1b[31m\xff\xfe binary junk\r\n" + b"x" * 20000 + b"\nno newline at the end")
+        sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+    if action == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    from aiohttp import web
+
+    from gymproxy.testing.fake_vllm import FakeVLLM
+
+    print(f"INFO Starting vLLM API server on http://127.0.0.1:{port}", flush=True)
+    web.run_app(
+        FakeVLLM(model=model, max_model_len=4096).app,
+        host="127.0.0.1",
+        port=port,
+        handler_cancellation=True,
+        print=None,
+        handle_signals=action != "stubborn",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,655 @@
+"""`launch`: gymproxy starts, supervises and stops its vLLM replicas.
+
+The lifecycle tests run `python -m gymproxy serve --launch-vllm ...` as a real process in front of
+`fake_vllm_serve.py` (a stand-in `vllm` that serves the bundled fake vLLM, starts a child as vLLM
+starts its EngineCore, and fails on cue, per replica and per start), and check what a user sees:
+the log, /health, the exit status, and that no process of any replica is left behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gymproxy import cli
+from gymproxy.config import ConfigError, Launch, build_config, load_config, to_vllm_args
+from gymproxy.launch import REPLICA_ENV, gpu_groups, prepare, shown_command, shown_line
+
+FAKE = Path(__file__).with_name("fake_vllm_serve.py")
+WAIT_S = 60.0  # generous: the machine may be busy; no test waits this long when it passes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def vllm_bin(tmp_path: Path) -> Path:
+    """An executable `vllm` that runs the fake with this interpreter."""
+    path = tmp_path / "bin" / "vllm"
+    path.parent.mkdir()
+    path.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def wait_until(check: Any, what: str, timeout: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Gym:
+    """One `gymproxy serve --launch-vllm` process and the fake replicas' records."""
+
+    def __init__(self, tmp_path: Path, vllm_bin: Path, *args: str, plan: str = "", env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state = tmp_path / "fake"
+        self.state.mkdir(exist_ok=True)
+        self.log_path = tmp_path / f"gymproxy-{self.port}.log"
+        environ = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        environ |= {
+            "FAKE_VLLM_DIR": str(self.state),
+            "FAKE_VLLM_PLAN": plan,
+            "PATH": f"{vllm_bin.parent}:/usr/bin:/bin",
+        }
+        environ |= env or {}
+        command = [sys.executable, "-m", "gymproxy", "serve", "--port", str(self.port), *args]
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+            )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str) -> None:
+        wait_until(lambda: text in self.log or self.process.poll() is not None, f"{text!r} in the log")
+        assert text in self.log, self.log[-4000:]
+
+    def wait_listening(self) -> None:
+        self.wait_log(" listening on http://")
+
+    def wait_exit(self, timeout: float = WAIT_S) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"gymproxy did not exit:\n{self.log[-4000:]}") from None
+
+    def health(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as reply:
+                return dict(json.load(reply))
+        except urllib.error.HTTPError as exc:  # 503: no upstream healthy
+            return dict(json.load(exc))
+
+    def replica(self, name: str) -> dict[str, Any]:
+        return next(r for r in self.health()["replicas"] if r["name"] == name)
+
+    def upstream(self, name: str) -> dict[str, Any]:
+        return next(u for u in self.health()["upstreams"] if u["name"] == name)
+
+    def post(
+        self, path: str, body: dict[str, Any], cookie: str | None = None
+    ) -> tuple[int, dict[str, Any], str | None]:
+        """Status, JSON body and the new pin cookie (None: kept) of one request."""
+        headers = {"Content-Type": "application/json"}
+        if cookie:
+            headers["Cookie"] = cookie
+        request = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                status, data, got = reply.status, json.load(reply), reply.headers.get("Set-Cookie")
+        except urllib.error.HTTPError as exc:
+            status, data, got = exc.code, json.load(exc), exc.headers.get("Set-Cookie")
+        return status, data, got.split(";", 1)[0] if got else None
+
+    def chat(self, cookie: str | None = None) -> tuple[int, str | None]:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        status, data, new = self.post("/v1/chat/completions", body, cookie)
+        assert status != 200 or data["choices"][0]["message"]["content"] == "echo: hi", data
+        return status, new
+
+    def pids(self) -> list[int]:
+        """Every process of every replica start (each fake and its child)."""
+        path = self.state / "pids"
+        lines = path.read_text().split("\n") if path.exists() else []
+        return [int(pid) for line in lines if line for pid in line.split()[2:]]
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.wait_exit()
+
+    def kill_all(self) -> None:
+        """Teardown after a failed test: nothing of it may outlive the test."""
+        if self.process.poll() is None:
+            self.process.kill()
+        for pid in self.pids():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def gyms() -> Any:
+    started: list[Gym] = []
+    yield started
+    for gym in started:
+        gym.kill_all()
+
+
+def pinned_to(cookie: str | None) -> str | None:
+    """The upstream a pin cookie names (its first field, base64url)."""
+    if not cookie:
+        return None
+    name = cookie.split("=", 1)[1].split(".", 1)[0]
+    return base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
+
+
+QUICK = ("--set", "launch.restart.backoff_s=0.1", "--set", "launch.stop_grace_s=2")
+
+
+# --- the lifecycle, through the real command ----------------------------------------------
+
+
+def test_serves_once_one_replica_is_ready_and_reports_the_others(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny --dtype auto",
+        "--replicas",
+        "2",
+        "--set",
+        "launch.progress_interval_s=0.5",
+        plan="0=garbage;1=slow4",
+    )
+    gyms.append(gym)
+    gym.wait_listening()
+    # vllm-1 prints for 4 s before it listens: gymproxy serves without it, and says so.
+    assert gym.replica("vllm-0")["state"] == "ready"
+    assert gym.replica("vllm-1")["state"] in ("starting", "loading")
+    assert gym.upstream("vllm-1")["state"] == "starting" and not gym.upstream("vllm-1")["healthy"]
+    assert gym.chat()[0] == 200
+    status, reply, _ = gym.post("/v1/responses", {"model": "m", "input": "hello"})
+    assert status == 200 and reply["output"][0]["content"][0]["text"] == "echo: hello"
+    gym.wait_log("vllm-1 still loading after")
+    wait_until(lambda: gym.replica("vllm-1")["state"] == "ready", "vllm-1 ready")
+    wait_until(lambda: gym.upstream("vllm-1")["healthy"], "vllm-1 taking sessions")
+    log = gym.log
+    assert "[vllm-0] INFO args: serve tiny --dtype auto --host 127.0.0.1 --port" in log
+    assert "[vllm-1] INFO Loading weights..." in log
+    assert "vllm-0 ready after" in log and "vllm-1 ready after" in log
+    assert "\\x00\\x1b[31m" in log and "more characters)" in log  # its garbage, made printable
+    assert gym.stop() == 0
+    assert "stopped 2 vLLM replica(s)" in gym.log
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_a_replica_that_exits_while_starting_fails_startup(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", plan="0=exit3;1=slow20")
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    log = gym.log
+    assert "gymproxy: startup failed: vllm-0 exited with code 3 while starting" in log
+    assert "  [vllm-0] ERROR fake vllm: something went wrong while loading" in log  # its last lines
+    assert " listening on " not in log
+    wait_until(lambda: not [pid for pid in gym.pids() if alive(pid)], "every replica process gone")
+
+
+def test_a_replica_that_never_answers_fails_startup_after_the_timeout(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    logs = tmp_path / "vllm-logs"
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny",
+        "--vllm-log-dir",
+        str(logs),
+        "--set",
+        "launch.startup_timeout_s=3",
+        *QUICK,
+        plan="0=hang",
+    )
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    log = gym.log
+    assert "vllm-0 did not answer /health within 3 s (launch.startup_timeout_s)" in log
+    assert f"its whole log: {logs / 'vllm-0.log'}" in log
+    assert "  [vllm-0] INFO fake vllm tiny" in log  # the last lines, in the error
+    assert "gymproxy: [vllm-0]" not in log  # its output went to its file only
+    assert "fake vllm tiny: replica 0 start 1: hang" in (logs / "vllm-0.log").read_text()
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_a_replica_that_crashes_is_restarted_and_takes_new_sessions_only(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK)
+    gyms.append(gym)
+    gym.wait_listening()
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
+    cookies = [gym.chat()[1] for _ in range(12)]
+    on_0 = next(c for c in cookies if pinned_to(c) == "vllm-0")
+    first = gym.replica("vllm-0")
+    os.kill(first["pid"], signal.SIGKILL)
+    # Its session moves to vllm-1 (nothing fails), and the cookie says so.
+    status, moved = gym.chat(on_0)
+    assert status == 200 and pinned_to(moved) == "vllm-1"
+    gym.wait_log("vllm-0 exited with code -9")
+    for _ in range(5):
+        assert gym.chat()[0] == 200
+    wait_until(lambda: gym.replica("vllm-0")["starts"] == 2 and gym.replica("vllm-0")["state"] == "ready", "restart")
+    wait_until(lambda: gym.upstream("vllm-0")["healthy"], "vllm-0 healthy again")
+    assert gym.replica("vllm-0")["pid"] != first["pid"]
+    # Its first life's child (vLLM's EngineCore, here) went with it.
+    records = [line.split() for line in (gym.state / "pids").read_text().splitlines()]
+    assert not [
+        pid for replica, start, *pids in records if (replica, start) == ("0", "1") for pid in pids if alive(int(pid))
+    ]
+    # The moved session stays where it went; new sessions reach vllm-0 again.
+    status, kept = gym.chat(moved)
+    assert status == 200 and kept is None
+    assert any(pinned_to(gym.chat()[1]) == "vllm-0" for _ in range(40))
+    assert gym.stop() == 0
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_a_crash_loop_is_given_up_and_shown_in_health(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny",
+        "--replicas",
+        "2",
+        "--set",
+        "launch.restart.attempts=2",
+        *QUICK,
+        plan="0=ok,exit7",
+    )
+    gyms.append(gym)
+    gym.wait_listening()
+    wait_until(lambda: gym.replica("vllm-0")["state"] == "ready", "vllm-0 ready")
+    os.kill(gym.replica("vllm-0")["pid"], signal.SIGKILL)
+    wait_until(lambda: gym.replica("vllm-0")["state"] == "failed", "vllm-0 given up")
+    replica = gym.replica("vllm-0")
+    assert replica["starts"] == 3 and replica["exit_code"] == 7
+    assert "exited with code 7 while starting" in replica["error"] and "given up after 2 restart(s)" in replica["error"]
+    assert "ERROR gymproxy: vllm-0 exited with code 7 while starting" in gym.log
+    health = gym.health()
+    assert health["status"] == "ok" and gym.upstream("vllm-0")["state"] == "down"
+    assert gym.chat()[0] == 200  # vllm-1 serves on
+    assert gym.stop() == 0
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_sigkill_of_gymproxy_leaves_no_replica_process(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # vllm-1 ignores SIGTERM: the reaper kills it after the grace.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK, plan="1=stubborn")
+    gyms.append(gym)
+    gym.wait_listening()
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+    pids = gym.pids()
+    assert len(pids) == 4 and all(alive(pid) for pid in pids)
+    gym.process.kill()
+    gym.process.wait()
+    wait_until(lambda: not [pid for pid in pids if alive(pid)], "the reaper to stop every replica", timeout=20)
+
+
+def test_sigterm_kills_a_replica_that_ignores_it_after_the_grace(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=stubborn")
+    gyms.append(gym)
+    gym.wait_listening()
+    assert gym.stop() == 0
+    assert "vllm-0 did not stop in 2 s: killing it" in gym.log
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK)
+    gyms.append(gym)
+    gym.wait_listening()
+    gym.process.send_signal(signal.SIGHUP)
+    gym.wait_log("fleet reloaded: 2 upstreams; added none, removed none, changed none")
+    assert [u["name"] for u in gym.health()["upstreams"]] == ["vllm-0", "vllm-1"]
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+
+
+def test_workers_serve_in_front_of_the_replicas_their_parent_runs(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", "--workers", "2", *QUICK)
+    gyms.append(gym)
+    wait_until(lambda: gym.log.count(" listening on http://") == 2 or gym.process.poll() is not None, "2 workers")
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
+    first = gym.replica("vllm-0")
+    os.kill(first["pid"], signal.SIGKILL)
+    # Each worker finds out on its own (a refused request is re-sent): no request fails.
+    for _ in range(20):
+        assert gym.chat()[0] == 200
+    wait_until(lambda: gym.replica("vllm-0")["starts"] == 2 and gym.replica("vllm-0")["state"] == "ready", "restart")
+    for _ in range(10):
+        assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+    assert "stopped 2 vLLM replica(s)" in gym.log
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    config = tmp_path / "local_vllm_model.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "policy_model": {
+                    "responses_api_models": {
+                        "local_vllm_model": {
+                            "entrypoint": "app.py",
+                            "model": "${policy_model_name}",
+                            "return_token_id_information": False,
+                            "uses_reasoning_parser": False,
+                            "debug": False,
+                            "hf_home": str(tmp_path / "hf"),
+                            "launcher": "subprocess",
+                            "subprocess": {"executable": str(vllm_bin), "startup_timeout_seconds": 600},
+                            "vllm_serve_env_vars": {"VLLM_RAY_DP_PACK_STRATEGY": "strict"},
+                            "vllm_serve_kwargs": {
+                                "data_parallel_size": 1,
+                                "tensor_parallel_size": 1,
+                                "pipeline_parallel_size": 1,
+                                "enable_auto_tool_choice": True,
+                                "tool_call_parser": "hermes",
+                            },
+                        }
+                    }
+                }
+            },
+            sort_keys=False,
+        )
+    )
+    gym = Gym(tmp_path, vllm_bin, "--config", str(config), "--set", "policy_model_name=org/tiny")
+    gyms.append(gym)
+    gym.wait_listening()
+    log = gym.log
+    assert (
+        f"[vllm-0] INFO args: serve org/tiny --data-parallel-size=1 --tensor-parallel-size=1 "
+        f"--pipeline-parallel-size=1 --enable-auto-tool-choice --tool-call-parser=hermes "
+        f"--download-dir={tmp_path / 'hf' / 'hub'} --disable-log-stats --host 127.0.0.1 --port"
+    ) in log
+    body = {"model": "org/tiny", "messages": [{"role": "user", "content": "hi"}]}
+    status, reply, _ = gym.post("/v1/chat/completions", body)
+    assert status == 200 and reply["model"] == "org/tiny"
+    assert gym.stop() == 0
+
+
+# --- bad input: a message naming the option, exit status 2, nothing started ----------------
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "message"),
+    [
+        (["--vllm-bin", "/no/such/vllm"], {}, "launch.vllm_bin: '/no/such/vllm' is not an executable file"),
+        (["--vllm-bin", "no-such-vllm"], {}, "launch.vllm_bin: 'no-such-vllm' is not on PATH"),
+        (["--replicas", "2", "--gpus-per-replica", "2"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "need 4 GPUs"),
+        (["--gpus-per-replica", "1"], {}, "need 1 GPUs, but nvidia-smi -L lists 0"),
+        (["--launch-vllm", "tiny --port 9000"], {}, "launch.args: gymproxy sets --port for each replica"),
+        (["--launch-vllm", "--model tiny"], {}, "the model first"),
+        (["--launch-vllm", "tiny 'unclosed"], {}, "--launch-vllm: cannot split"),
+        (["--replicas", "0"], {}, "Expected `int` >= 1 - at `$.launch.replicas`"),
+        (["--upstream", "http://x/v1"], {}, "give it or `base_url`/`upstreams`/`upstreams_dns`, not both"),
+    ],
+)
+def test_bad_launch_input_is_an_error_naming_the_option(
+    args: list[str], environ: dict[str, str], message: str, vllm_bin: Path, monkeypatch: pytest.MonkeyPatch, capsys
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PATH", f"{vllm_bin.parent}:/usr/bin:/bin")
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    command = ["serve", "--port", str(free_port())]
+    if not any(a == "--launch-vllm" for a in args):
+        command += ["--launch-vllm", "tiny"]
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*command, *args])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_taken_port_is_an_error_before_anything_starts(vllm_bin: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    monkeypatch.setenv("PATH", f"{vllm_bin.parent}:/usr/bin:/bin")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit):
+            cli.main(["serve", "--launch-vllm", "tiny", "--set", f"launch.base_port={port}"])
+    assert f"launch.base_port: port {port} (of [{port}]) is taken by another process" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit):
+            cli.main(["serve", "--launch-vllm", "tiny", "--port", str(port)])
+    assert f"port: 127.0.0.1:{port} (gymproxy's own, --port) is taken" in capsys.readouterr().err
+
+
+# --- planning: GPUs, command lines, the config ----------------------------------------------
+
+
+def plan(environ: dict[str, str], **launch: Any) -> list[str | None]:
+    config = build_config({"port": 0, "launch": {"model": "m", "vllm_bin": "/bin/sh", **launch}}, environ={})
+    replicas = prepare(config, environ).replicas
+    for r in replicas:  # a replica without GPUs of its own keeps gymproxy's CUDA_VISIBLE_DEVICES
+        assert r.env.get("CUDA_VISIBLE_DEVICES") == (
+            ",".join(r.devices) if r.devices else environ.get("CUDA_VISIBLE_DEVICES")
+        )
+    return [",".join(r.devices) if r.devices is not None else None for r in replicas]
+
+
+def test_each_replica_gets_its_own_gpus():
+    assert plan({"CUDA_VISIBLE_DEVICES": "3,4,5,6"}, replicas=2, gpus_per_replica=2) == ["3,4", "5,6"]
+    assert plan({"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b"}, replicas=2) == ["GPU-a", "GPU-b"]
+    # The default is what the parallel sizes of the args need.
+    assert plan({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, replicas=2, args=["-tp", "2"]) == ["0,1", "2,3"]
+    assert plan(
+        {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, args=["--tensor-parallel-size=2", "--data-parallel-size", "2"]
+    ) == ["0,1,2,3"]
+    # 0, or no GPUs at all with the default: CUDA_VISIBLE_DEVICES is left alone (a CPU vLLM).
+    assert plan({"CUDA_VISIBLE_DEVICES": "0,1"}, replicas=2, gpus_per_replica=0) == [None, None]
+    assert plan({"PATH": "/nonexistent"}, replicas=2) == [None, None]
+
+
+def test_gpus_come_from_nvidia_smi_without_cuda_visible_devices(tmp_path: Path):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\nfor i in 0 1 2; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n')
+    smi.chmod(0o755)
+    environ = {"PATH": str(tmp_path)}
+    assert plan(environ, replicas=3) == ["0", "1", "2"]
+    launch = build_config({"launch": {"model": "m", "replicas": 2, "gpus_per_replica": 2}}, environ={}).launch
+    assert isinstance(launch, Launch)
+    with pytest.raises(ConfigError, match=r"need 4 GPUs, but nvidia-smi -L lists 3; use fewer"):
+        gpu_groups(launch, environ)
+
+
+def test_replica_command_lines_and_environment(tmp_path: Path):
+    config = build_config(
+        {
+            "port": 0,
+            "launch": {
+                "model": "Qwen/Qwen3-8B",
+                "args": "--served-model-name qwen --api-key 'se cret' --max-model-len 4096",
+                "replicas": 2,
+                "env": {"VLLM_X": "1"},
+                "hf_home": str(tmp_path / "hf"),
+                "vllm_bin": "/bin/sh",
+                "base_port": free_port(),
+            },
+        },
+        environ={},
+    )
+    launcher = prepare(config, {"PATH": "/usr/bin"})
+    first, second = launcher.replicas
+    assert first.argv[1:] == [
+        "serve",
+        "Qwen/Qwen3-8B",
+        "--served-model-name",
+        "qwen",
+        "--api-key",
+        "se cret",
+        "--max-model-len",
+        "4096",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(first.port),
+    ]
+    assert second.port == first.port + 1
+    assert first.env["HF_HOME"] == str(tmp_path / "hf") and first.env["VLLM_X"] == "1"
+    assert (first.env[REPLICA_ENV], second.env[REPLICA_ENV]) == ("0", "1")
+    # The fleet is the replicas, sent the name and key vLLM serves with.
+    served = launcher.config
+    assert [(u.name, u.url) for u in served.upstreams] == [("vllm-0", first.url), ("vllm-1", second.url)]
+    assert served.model == "qwen" and served.api_key == "se cret"
+    assert "--api-key **** " in shown_command(first.argv) and "se cret" not in shown_command(first.argv)
+    assert shown_command(["x", "--hf-token=abc"]) == "x --hf-token=****"
+
+
+def test_output_lines_are_made_safe_to_log():
+    assert shown_line(b"plain\r\n") == "plain"
+    assert shown_line(b"10%\r50%\r100%\n") == "100%"
+    assert shown_line(b"\x00\x1b[1m\xffok\t.") == "\\x00\\x1b[1m\ufffdok\t."
+    long = shown_line(b"y" * 5000)
+    assert long.startswith("y" * 4096) and long.endswith("(904 more characters)")
+
+
+def test_the_launch_section_from_a_flat_file(tmp_path: Path):
+    path = tmp_path / "gymproxy.yaml"
+    path.write_text("launch:\n  model: tiny\n  args: --dtype auto\n  replicas: 2\n  env: {VLLM_USE_V1: 1, X: true}\n")
+    config = load_config(path, environ={}, extra={"launch": {"replicas": 3}})
+    assert config.launch is not None
+    assert (config.launch.model, config.launch.args, config.launch.replicas) == ("tiny", ["--dtype", "auto"], 3)
+    assert config.launch.env == {"VLLM_USE_V1": "1", "X": "true"}  # as written, though YAML reads numbers
+    with pytest.raises(ConfigError, match=r"unknown key; did you mean launch.replicas\?"):
+        load_config(path, environ={}, overrides={"launch.replica": "2"})
+
+
+def test_vllm_serve_kwargs_become_flags():
+    options = {"tensor_parallel_size": 2, "trust_remote_code": True, "enforce_eager": False, "seed": None}
+    options |= {"model_loader_extra_config": {"num_threads": 16}, "middleware": ["a", "b"]}
+    assert to_vllm_args(options) == [
+        "--tensor-parallel-size=2",
+        "--trust-remote-code",
+        "--no-enforce-eager",
+        '--model-loader-extra-config={"num_threads": 16}',
+        "--middleware",
+        "a",
+        "b",
+    ]
+
+
+def nemo(block: dict[str, Any], tmp_path: Path) -> Any:
+    path = tmp_path / "nemo.yaml"
+    path.write_text(
+        yaml.safe_dump({"policy_model": {"responses_api_models": {"local_vllm_model": block}}}, sort_keys=False)
+    )
+    return load_config(path, environ={})
+
+
+def test_a_local_vllm_model_block_loads_as_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    kwargs = {"model": "/ckpt/step-100", "tensor_parallel_size": 4, "gpu_memory_utilization": 0.9}
+    config = nemo({"model": "policy", "vllm_serve_kwargs": kwargs, "vllm_serve_env_vars": {"A": "1"}}, tmp_path)
+    launch = config.launch
+    assert launch is not None and launch.model == "/ckpt/step-100" and launch.env == {"A": "1"}
+    hf_home = tmp_path / ".cache" / "huggingface"  # NeMo Gym's default
+    assert launch.hf_home == str(hf_home)
+    assert launch.args == [
+        "--tensor-parallel-size=4",
+        "--gpu-memory-utilization=0.9",
+        "--served-model-name=policy",
+        f"--download-dir={hf_home / 'hub'}",
+        "--disable-log-stats",
+    ]
+    assert config.model == "policy" and config.name == "policy_model"
+    assert gpu_groups(launch, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == [["0", "1", "2", "3"]]
+    # A block with a base_url names a server already running: nothing is launched.
+    external = nemo({"model": "m", "base_url": "http://h:8000/v1", "vllm_serve_kwargs": {}}, tmp_path)
+    assert external.launch is None and external.base_url == ["http://h:8000/v1"]
+    # gymproxy's own launch keys may sit beside NeMo Gym's.
+    both = nemo({"model": "m", "vllm_serve_kwargs": {}, "launch": {"replicas": 4}}, tmp_path)
+    assert both.launch is not None and both.launch.replicas == 4 and both.launch.model == "m"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"router": {"port": 1}}, "local_vllm_model `router` is not supported by gymproxy"),
+        ({"pd": {"prefill": {}}}, "local_vllm_model `pd` is not supported"),
+        ({"ray_worker_py_executable": "/x/python"}, "`ray_worker_py_executable` is not supported"),
+        ({"subprocess": {"probe_timeout_seconds": 5}}, "`subprocess.probe_timeout_seconds` is not supported"),
+        ({"vllm_serve_kwargs": {"port": 9000}}, "`vllm_serve_kwargs.port` is set by gymproxy"),
+        ({"launcher": "slurm"}, "`launcher` must be ray or subprocess"),
+        ({"supply_prefix_token_ids": True}, "`supply_prefix_token_ids` is not supported"),
+    ],
+)
+def test_local_vllm_model_keys_gymproxy_does_not_implement_are_refused(
+    extra: dict[str, Any], message: str, tmp_path: Path
+):
+    with pytest.raises(ConfigError, match=message.replace("`", "`").replace("(", r"\(")):
+        nemo({"model": "m", "vllm_serve_kwargs": {}, **extra}, tmp_path)
+
+
+def test_check_config_says_what_it_launches(tmp_path: Path, capsys):
+    path = tmp_path / "g.yaml"
+    path.write_text("launch: {model: tiny, replicas: 2}\n")
+    cli.main(["check-config", str(path)])
+    assert capsys.readouterr().out.strip() == "ok: launches 2 vLLM replica(s) of tiny"
+
+
+def test_the_reference_config_documents_every_launch_key():
+    """conf/gymproxy.yaml has `launch: null` (the test of test_config checks that) and, commented
+    below it, every key of the section at its default."""
+    import msgspec
+
+    from gymproxy.config import Restart
+
+    text = (Path(__file__).parent.parent / "conf" / "gymproxy.yaml").read_text()
+    block = text[text.index("\nlaunch: null") :].split("\n\n", 1)[0]
+    lines = [line[1:] for line in block.splitlines()[1:] if line.startswith("#   ") and ":" in line]
+    documented = yaml.safe_load("\n".join(line.split("  #", 1)[0].rstrip() for line in lines))
+    defaults = msgspec.to_builtins(Launch(model="Qwen/Qwen3-8B"))
+    defaults["restart"] = msgspec.to_builtins(Restart())
+    assert documented == defaults
