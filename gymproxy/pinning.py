@@ -529,11 +529,12 @@ class Breaker:
 # An upstream's pace: seconds per generated token over its recent replies (time from sending to the
 # reply's end, over `usage.completion_tokens`), the ratio of two sums that decay with a time
 # constant of `window` seconds. It grows with the engine's batch and with a weaker or throttled
-# GPU, which is what an in-flight count cannot tell apart. Until some 20 replies are in (`PACE_MIN`),
-# or after `3 * window` without one, it is unknown (None): the pick then reads only in-flight counts,
-# and an engine no session reaches any more is soon measured afresh.
+# GPU, which is what an in-flight count cannot tell apart. It is unknown (None) until `PACE_MIN`
+# replies are in, and again after `3 * window` without one (the next reply starts afresh): the pick
+# then reads only in-flight counts, so an engine no session reaches any more is soon measured anew.
+# Known, it stays known while replies come, however few: an engine steered off keeps its pace.
 
-PACE_MIN = 20.0  # replies (decayed) before a pace is trusted: a few are noise, not a slow engine
+PACE_MIN = 20  # replies before a pace is trusted: a few are noise, not a slow engine
 
 
 class Pace:
@@ -545,17 +546,23 @@ class Pace:
         self.window = window
         self.seconds = 0.0
         self.tokens = 0.0
-        self.replies = 0.0
+        self.replies = 0  # since it was last unknown
         self.at = -math.inf  # when the last reply was observed
         self._clock = clock
 
     def observe(self, seconds: float, tokens: int) -> None:
         """A reply that took `seconds` and generated `tokens` (at least one)."""
         now = self._clock()
-        decay = math.exp((self.at - now) / self.window) if self.replies else 0.0
+        idle = now - self.at
+        if idle > 3.0 * self.window:  # stale (or the first): start afresh
+            self.seconds = self.tokens = 0.0
+            self.replies = 0
+            decay = 0.0
+        else:
+            decay = math.exp(-idle / self.window)
         self.seconds = self.seconds * decay + seconds
         self.tokens = self.tokens * decay + tokens
-        self.replies = self.replies * decay + 1.0
+        self.replies += 1
         self.at = now
 
     @property

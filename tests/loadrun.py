@@ -137,9 +137,16 @@ def _answer(path: str, stream: bool, status: int, raw: bytes) -> str:
 
 class Load:
     def __init__(
-        self, *, upstreams: int, keepalive: float, backlog: int, health: dict[str, float] | None = None
+        self,
+        *,
+        upstreams: int,
+        keepalive: float,
+        backlog: int,
+        health: dict[str, float] | None = None,
+        pinning: dict[str, Any] | None = None,
     ) -> None:
         self.health = health
+        self.pinning = {"secret": SECRET, **(pinning or {})}
         self.n_upstreams = upstreams
         self.keepalive = keepalive
         self.backlog = backlog
@@ -163,7 +170,7 @@ class Load:
         config = gymproxy.build_config(
             {
                 "base_url": [f.url for f in self.fakes],
-                "pinning": {"secret": SECRET},
+                "pinning": self.pinning,
                 "timeouts": {"keepalive": self.keepalive},
                 **({"health": self.health} if self.health else {}),
             },
@@ -294,8 +301,10 @@ async def run(
     settle: float = 15.0,
     fd_slack: int = 16,
     health: dict[str, float] | None = None,
+    pinning: dict[str, Any] | None = None,
 ) -> LoadReport:
-    load = Load(upstreams=upstreams, keepalive=keepalive, backlog=max(1024, sessions + abandon), health=health)
+    backlog = max(1024, sessions + abandon)
+    load = Load(upstreams=upstreams, keepalive=keepalive, backlog=backlog, health=health, pinning=pinning)
     report = load.report
     report.sessions, report.turns, report.requests, report.abandoned = sessions, turns, requests, abandon
     await load.start()

@@ -325,8 +325,14 @@ def test_pace_is_unknown_until_a_few_replies_then_tracks_recent_ones_and_goes_st
         clock.now += 0.1
         pace.observe(3.0, 100)
     assert pace.value == pytest.approx(0.03, rel=0.02)
+    for _ in range(5):  # steered off: a reply now and then keeps its pace known
+        clock.now += 20
+        pace.observe(3.0, 100)
+        assert pace.value == pytest.approx(0.03, rel=0.02)
     clock.now += 31  # no reply for over 3 windows: not known any more (measured afresh when used)
     assert pace.value is None
+    pace.observe(1.0, 100)
+    assert pace.value is None  # afresh: some 20 replies again before it counts
 
 
 def test_new_sessions_avoid_an_upstream_far_slower_than_the_fastest():
