@@ -30,6 +30,20 @@ from aiohttp import web
 
 from .make_model import MAX_POSITIONS
 
+# The environment of every CPU vLLM server the suites start (gymproxy's `--launch-vllm` replicas too).
+CPU_VLLM_ENV = {
+    # GiB; the default reserves far more than this model needs (512 bytes a token: 32 MiB a sequence)
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # servers share the machine's cores
+    "OMP_NUM_THREADS": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
 T = TypeVar("T")
 MODEL_NAME = "tiny-qwen2"
 MAX_MODEL_LEN = MAX_POSITIONS  # agent harnesses send tens of thousands of prompt tokens
@@ -107,18 +121,7 @@ class VLLM:
         ]  # fmt: skip
         if self.reasoning_parser:
             args += ["--reasoning-parser", self.reasoning_parser]
-        env = {
-            **os.environ,
-            # GiB; the default reserves far more than this model needs (512 bytes a token: 32 MiB a sequence)
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two servers share the machine's cores
-            "OMP_NUM_THREADS": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = {**os.environ, **CPU_VLLM_ENV}
         with self.log.open("wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, stdin=subprocess.DEVNULL

@@ -24,21 +24,10 @@ from typing import Any
 import pytest
 
 from .conftest import Paths
-from .harness import MAX_MODEL_LEN, MODEL_NAME, free_port, tail
+from .harness import CPU_VLLM_ENV, MAX_MODEL_LEN, MODEL_NAME, free_port, tail
 from .make_model import ANSWER_TEXT
 
 START_S = 600.0  # both replicas load in about a minute on two busy cores
-# As conftest's servers run: little KV cache, no thread pinning (the replicas share the cores).
-CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def group(pgid: int) -> list[int]:
@@ -92,7 +81,11 @@ class Launched:
         command += ["--set", "pinning.secret=launch-integration"]
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **CPU_ENV}, start_new_session=True
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **CPU_VLLM_ENV},
+                start_new_session=True,
             )
         self.pgids: set[int] = set()
 
