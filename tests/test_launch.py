@@ -26,7 +26,7 @@ import yaml
 
 from gymproxy import cli
 from gymproxy.config import ConfigError, Launch, build_config, load_config, to_vllm_args
-from gymproxy.launch import REPLICA_ENV, gpu_groups, prepare, shown_command, shown_line
+from gymproxy.launch import REPLICA_ENV, gpu_groups, port_free, prepare, shown_command, shown_line
 
 FAKE = Path(__file__).with_name("fake_vllm_serve.py")
 WAIT_S = 60.0  # generous: the machine may be busy; no test waits this long when it passes
@@ -36,6 +36,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_ports(count: int) -> int:
+    """A base port with `count` consecutive ports free right now (the kernel's pick may have a taken neighbour)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count - 1 <= 65535 and all(port_free(base + i) for i in range(count)):
+            return base
+    raise AssertionError(f"no {count} consecutive free ports found")
 
 
 @pytest.fixture
@@ -515,7 +524,7 @@ def test_replica_command_lines_and_environment(tmp_path: Path):
                 "env": {"VLLM_X": "1"},
                 "hf_home": str(tmp_path / "hf"),
                 "vllm_bin": "/bin/sh",
-                "base_port": free_port(),
+                "base_port": free_ports(2),
             },
         },
         environ={},
