@@ -184,6 +184,9 @@ class Launch(Settings, frozen=True, kw_only=True):
     base_port: Port | None = None  # replica i listens on base_port + i (None: free ports)
     startup_timeout_s: Seconds = 1200.0  # a replica whose /health does not answer by then has failed
     progress_interval_s: Seconds = 30.0  # how often a replica still loading is reported
+    # A ready replica whose /health has not answered 200 for this long is hung: it is stopped and
+    # restarted as if it had exited (None: never; the health checks only mark it down).
+    unresponsive_s: Seconds | None = 120.0
     stop_grace_s: Seconds = 30.0  # SIGTERM, then SIGKILL of its process group after this
     restart: Restart = Restart()
 

@@ -38,6 +38,7 @@ READY_POLL_S = 0.5
 EXIT_POLL_S = 0.05
 TAIL_BYTES = TAIL_LINES * LINE_MAX
 HEALTH_TIMEOUT_S = 2.0
+WATCH_POLL_S = 5.0  # a ready replica's /health is asked this often (at most), for `launch.unresponsive_s`
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
 REAPER = Path(__file__).with_name("reaper.py")
 _MANAGED = {"--host", "--port", "--uds"}
@@ -484,8 +485,17 @@ class Launcher:
                 self._changed.set()
                 if self.on_ready is not None:
                     self.on_ready(replica.name)
-                code = await exited
-                why = f"exited with code {code} after {time.monotonic() - replica.started:.0f} s"
+                hung = asyncio.ensure_future(self._until_hung(replica))
+                try:
+                    await asyncio.wait({exited, hung}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    hung.cancel()
+                if exited.done():
+                    why = f"exited with code {exited.result()} after {time.monotonic() - replica.started:.0f} s"
+                else:
+                    why = f"stopped answering /health for {self.launch.unresponsive_s:g} s (launch.unresponsive_s)"
+                    if not self._stopping.is_set():
+                        log.warning("%s %s: stopping it", replica.name, why)
             elif exited.done():
                 why = f"exited with code {exited.result()} while starting (after {time.monotonic() - replica.started:.0f} s)"
             else:
@@ -511,6 +521,7 @@ class Launcher:
             return
         if process.returncode is None:
             _signal_group(process.pid, signal.SIGTERM)
+            _signal_group(process.pid, signal.SIGCONT)  # a stopped process acts on the SIGTERM only once it runs
             try:
                 await asyncio.wait_for(_exit_of(process), self.launch.stop_grace_s)
             except asyncio.TimeoutError:
@@ -542,6 +553,21 @@ class Launcher:
                     replica.process.pid if replica.process else "-",
                     last,
                 )
+
+    async def _until_hung(self, replica: Replica) -> None:
+        """Return once the ready replica's /health has not answered 200 for `launch.unresponsive_s`."""
+        limit = self.launch.unresponsive_s
+        if limit is None:
+            await asyncio.get_running_loop().create_future()  # never: the exit ends the wait
+            return
+        poll = min(WATCH_POLL_S, limit / 4)
+        answered = time.monotonic()
+        while True:
+            await asyncio.sleep(poll)
+            if await _healthy(replica.port, timeout=min(limit, WATCH_POLL_S)):
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= limit:
+                return
 
     async def _pump(self, replica: Replica, stream: asyncio.StreamReader | None) -> None:
         """Copy the replica's output, line by line, to gymproxy's log (None: it writes its file)."""
@@ -612,15 +638,15 @@ async def _exit_of(process: asyncio.subprocess.Process) -> int:
     return process.returncode
 
 
-async def _healthy(port: int) -> bool:
-    """Whether `GET /health` on the port answers 200."""
+async def _healthy(port: int, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+    """Whether `GET /health` on the port answers 200 within `timeout` (each of connect and reply)."""
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), HEALTH_TIMEOUT_S)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     except (OSError, asyncio.TimeoutError):
         return False
     try:
         writer.write(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        line = await asyncio.wait_for(reader.readline(), HEALTH_TIMEOUT_S)
+        line = await asyncio.wait_for(reader.readline(), timeout)
         return line.split(b" ", 2)[1:2] == [b"200"]
     except (OSError, asyncio.TimeoutError, ValueError):
         return False

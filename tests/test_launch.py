@@ -296,6 +296,29 @@ def test_a_replica_that_crashes_is_restarted_and_takes_new_sessions_only(
     assert not [pid for pid in gym.pids() if alive(pid)]
 
 
+def test_a_replica_that_hangs_is_stopped_and_restarted(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # SIGSTOP hangs it the way a deadlock does: its port takes connections that never get an answer.
+    gym = Gym(
+        tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", "--set", "launch.unresponsive_s=1", *QUICK
+    )
+    gyms.append(gym)
+    gym.wait_listening()
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
+    hung = gym.replica("vllm-0")
+    os.kill(hung["pid"], signal.SIGSTOP)
+    gym.wait_log("vllm-0 stopped answering /health for 1 s (launch.unresponsive_s): stopping it")
+    for _ in range(5):
+        assert gym.chat()[0] == 200  # vllm-1 serves meanwhile
+    wait_until(lambda: gym.replica("vllm-0")["starts"] == 2 and gym.replica("vllm-0")["state"] == "ready", "restart")
+    assert not alive(hung["pid"])  # the stopped process got its SIGTERM (or the SIGKILL after the grace)
+    assert gym.replica("vllm-1")["starts"] == 1  # the one that answers is left alone
+    wait_until(lambda: gym.upstream("vllm-0")["healthy"], "vllm-0 healthy again")
+    assert any(pinned_to(gym.chat()[1]) == "vllm-0" for _ in range(40))
+    assert gym.stop() == 0
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
 def test_a_crash_loop_is_given_up_and_shown_in_health(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
     gym = Gym(
         tmp_path,
