@@ -145,8 +145,8 @@ class Tally:
 
 
 MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "slow", "removed", "joined")
-PACE_REFRESH_S = 0.25  # how long the fleet's best pace is reused before it is looked up again
-PACE_NOISE_S = 0.002  # a pace at most this much over the best (seconds a token) is never slow: timing noise
+PACE_REFRESH_S = 0.25  # how long the fleet's usual pace is reused before it is looked up again
+PACE_NOISE_S = 0.002  # a pace at most this much over the usual (seconds a token) is never slow: timing noise
 
 
 class Pin(Generic[U]):
@@ -183,10 +183,12 @@ class Pinner(Generic[U]):
     keyed session takes the first upstream in its rendezvous order whose in-flight count, this
     request included, is at most `max(share * (1 + epsilon), share + slack)`, where `share` is the
     upstream's weight share of everything in flight over the eligible upstreams. Upstreams whose
-    pace is over the fleet's best times `1 + pace_tolerance` take no new sessions while a faster
-    one can (None: pace is not read). A session stays where it is unless its upstream is down, its
-    breaker open, it answered "busy", it is over `bound * (1 + hysteresis)`, or its pace is over
-    the best times `(1 + pace_tolerance) * (1 + hysteresis)`; then it moves to its next choice.
+    pace is over the fleet's usual pace times `1 + pace_tolerance` take no new sessions while a
+    faster one can (None: pace is not read). A session stays where it is unless its upstream is
+    down, its breaker open, it answered "busy", it is over `bound * (1 + hysteresis)`, or its pace
+    is over the usual times `(1 + pace_tolerance) * (1 + hysteresis)`; then it moves to its next
+    choice. The usual pace is the lower median of the known ones (the best of two), so one
+    upstream that counts more tokens than it makes cannot turn a larger fleet away from the rest.
     Cookie-less keyed sessions that moved are remembered in a size-capped, expiring map (`moved`),
     per process.
     """
@@ -231,8 +233,8 @@ class Pinner(Generic[U]):
         # issued in the same second is taken as issued after it (it is never moved twice)
         self._joins: dict[str, int] = {}
         self._last_join = 0
-        self._best_pace: float | None = None
-        self._best_pace_until = -math.inf
+        self._usual_pace: float | None = None
+        self._usual_pace_until = -math.inf
         self.set_upstreams(upstreams)
 
     def set_upstreams(self, upstreams: list[U]) -> None:
@@ -240,7 +242,7 @@ class Pinner(Generic[U]):
         self.upstreams = list(upstreams)
         self.by_name = {u.name: u for u in self.upstreams}
         self._weights = sum(u.weight for u in self.upstreams) or 1.0
-        self._best_pace_until = -math.inf
+        self._usual_pace_until = -math.inf
         self._joins = {name: at for name, at in self._joins.items() if name in self.by_name}
         self._last_join = max(self._joins.values(), default=0)
 
@@ -364,21 +366,21 @@ class Pinner(Generic[U]):
         return "overloaded" if load > self._bound(upstream, total, weights) * margin else None
 
     def _slow(self, upstream: U, factor: float) -> bool:
-        """Its pace is over the fleet's best pace times `factor`, and more than noise over it (False
+        """Its pace is over the fleet's usual pace times `factor`, and more than noise over it (False
         while either is unknown)."""
         pace = upstream.pace
         if pace is None:
             return False
         now = self._clock()
-        if now >= self._best_pace_until:  # looked up at most every PACE_REFRESH_S: O(1) per request
-            paces = [p for u in self.upstreams if u.healthy and not u.blocked and (p := u.pace) is not None]
-            self._best_pace = min(paces) if paces else None
-            self._best_pace_until = now + PACE_REFRESH_S
-        best = self._best_pace
-        return best is not None and pace > best * factor and pace > best + PACE_NOISE_S
+        if now >= self._usual_pace_until:  # looked up at most every PACE_REFRESH_S: O(1) per request
+            paces = sorted(p for u in self.upstreams if u.healthy and not u.blocked and (p := u.pace) is not None)
+            self._usual_pace = paces[(len(paces) - 1) // 2] if paces else None
+            self._usual_pace_until = now + PACE_REFRESH_S
+        usual = self._usual_pace
+        return usual is not None and pace > usual * factor and pace > usual + PACE_NOISE_S
 
     def _fast(self, candidates: list[U]) -> list[U]:
-        """`candidates` without those far slower than the best (all of them if none is fast)."""
+        """`candidates` without those far slower than the usual pace (all of them if none is fast)."""
         tolerance = self.pace_tolerance
         if tolerance is None or len(candidates) == 1:
             return candidates

@@ -372,6 +372,26 @@ def test_a_session_leaves_a_slow_upstream_only_past_the_hysteresis_and_off_turns
     assert off.pick(cookie).upstream is ups[0] and off.pick(None, keys_on("u0", ups, 1)[0]).upstream is ups[0]
 
 
+def test_one_upstream_that_looks_far_faster_cannot_turn_sessions_away_from_the_rest():
+    # It counts 10x the tokens it makes (or is an odd fast engine): the usual pace is the lower
+    # median, so the others are not slow; a real slow one still is.
+    ups, pinner, clock = fleet()
+    for u in ups:
+        u.pace = 0.020
+    ups[0].pace = 0.002
+    cookies = {u.name: SIGNER.sign(u.name) for u in ups}
+    assert all(pinner.pick(cookie).upstream.name == name for name, cookie in cookies.items())
+    assert pinner.moves["slow"] == 0
+    assert {pinner.pick(None).upstream.name for _ in range(200)} == {u.name for u in ups}
+    ups[1].pace = 0.050
+    clock.now += 1
+    assert pinner.pick(cookies["u1"]).upstream is not ups[1] and pinner.moves["slow"] == 1
+    # With two upstreams there is no majority: the faster one sets the pace.
+    two, pinner, _ = fleet_over(ups[:2])
+    two[0].pace, two[1].pace = 0.020, 0.031
+    assert all(pinner.pick(None).upstream is two[0] for _ in range(50))
+
+
 def test_pace_differences_of_timing_noise_never_count():
     ups, pinner, _ = fleet()
     for u in ups:
