@@ -60,6 +60,7 @@ class Balancer:
         upstream, cookie = self.pick(request, body)
         path = request.path.removeprefix("/v1")
         headers = {h: request.headers[h] for h in PASSED if h in request.headers}
+        response: web.StreamResponse | None = None
         try:
             async with self.client.request(request.method, upstream + path, data=body, headers=headers) as reply:
                 response = web.StreamResponse(status=reply.status)
@@ -72,6 +73,10 @@ class Balancer:
                 await response.write_eof()
                 return response
         except aiohttp.ClientError as exc:
+            if response is not None and response.prepared:  # cut mid-reply: so is the client's
+                assert request.transport is not None
+                request.transport.close()
+                return response
             return web.json_response({"error": {"message": f"{upstream}: {exc!r}"}}, status=502)
 
     async def add(self, request: web.Request) -> web.Response:
