@@ -14,6 +14,7 @@ import asyncio
 import collections
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -41,6 +42,8 @@ HEALTH_TIMEOUT_S = 2.0
 WATCH_POLL_S = 5.0  # a ready replica's /health is asked this often (at most), for `launch.unresponsive_s`
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
 REAPER = Path(__file__).with_name("reaper.py")
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLOOR = 10000  # replicas' own ports start here: below are the well-known and configured ones
 _MANAGED = {"--host", "--port", "--uds"}
 _PARALLEL = {
     "--tensor-parallel-size": "tp",
@@ -231,7 +234,8 @@ def _find(binary: str, environ: Mapping[str, str]) -> str:
 
 
 def _ports(launch: Launch) -> list[int]:
-    """The replicas' ports: base_port + i, each checked free; else free ports the kernel picks."""
+    """The replicas' ports: base_port + i, each checked free; else free ports outside the kernel's
+    ephemeral range (see `quiet_ports`)."""
     if launch.base_port is not None:
         ports = [launch.base_port + i for i in range(launch.replicas)]
         if ports[-1] > 65535:
@@ -240,9 +244,32 @@ def _ports(launch: Launch) -> list[int]:
             if not port_free(port):
                 raise ConfigError(f"launch.base_port: port {port} (of {ports}) is taken by another process")
         return ports
+    return quiet_ports(launch.replicas)
+
+
+def quiet_ports(count: int, ephemeral: Path = EPHEMERAL) -> list[int]:
+    """`count` free ports outside the kernel's ephemeral range, so no outgoing connection (gymproxy
+    opens thousands) takes one as its local port while its replica restarts; a random start keeps
+    two gymproxies starting at once apart. Kernel-picked ports if no such range has room."""
+    try:
+        low, high = (int(part) for part in ephemeral.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    spans = [(first, last) for first, last in ((PORT_FLOOR, low - 1), (high + 1, 65535)) if last - first >= 4 * count]
+    if spans:
+        first, last = max(spans, key=lambda span: span[1] - span[0])
+        size = last - first + 1
+        start = random.randrange(size)
+        ports: list[int] = []
+        for step in range(size):
+            port = first + (start + step) % size
+            if port_free(port):
+                ports.append(port)
+                if len(ports) == count:
+                    return ports
     held = []
     try:  # all held at once, so no two replicas get the same one
-        for _ in range(launch.replicas):
+        for _ in range(count):
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             held.append(sock)

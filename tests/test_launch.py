@@ -26,7 +26,16 @@ import yaml
 
 from gymproxy import cli
 from gymproxy.config import ConfigError, Launch, build_config, load_config, to_vllm_args
-from gymproxy.launch import REPLICA_ENV, gpu_groups, port_free, prepare, shown_command, shown_line
+from gymproxy.launch import (
+    PORT_FLOOR,
+    REPLICA_ENV,
+    gpu_groups,
+    port_free,
+    prepare,
+    quiet_ports,
+    shown_command,
+    shown_line,
+)
 
 FAKE = Path(__file__).with_name("fake_vllm_serve.py")
 WAIT_S = 60.0  # generous: the machine may be busy; no test waits this long when it passes
@@ -577,6 +586,31 @@ def test_replica_command_lines_and_environment(tmp_path: Path):
     assert served.model == "qwen" and served.api_key == "se cret"
     assert "--api-key **** " in shown_command(first.argv) and "se cret" not in shown_command(first.argv)
     assert shown_command(["x", "--hf-token=abc"]) == "x --hf-token=****"
+
+
+def test_replica_ports_are_free_and_outside_the_ephemeral_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # An outgoing connection's local port comes from the ephemeral range: there it could take a
+    # replica's port while the replica restarts.
+    ephemeral = tmp_path / "ip_local_port_range"
+    ephemeral.write_text("32768\t60999\n")
+    ports = quiet_ports(8, ephemeral)
+    assert len(set(ports)) == 8 and all(PORT_FLOOR <= p < 32768 or p > 60999 for p in ports)
+    assert all(port_free(p) for p in ports)
+    ephemeral.write_text("1024 65535\n")  # no room outside it: the kernel picks
+    assert len(set(quiet_ports(3, ephemeral))) == 3
+    ephemeral.write_text("garbage")  # unreadable: Linux's default range is assumed
+    assert all(PORT_FLOOR <= p < 32768 or p > 60999 for p in quiet_ports(2, ephemeral))
+    # A taken port is passed over: the scan starts at a listener's port.
+    ephemeral.write_text("32768 60999")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        monkeypatch.setattr("gymproxy.launch.random.randrange", lambda size: ports[0] - PORT_FLOOR)
+        assert quiet_ports(2, ephemeral) == [ports[0] + 1, ports[0] + 2] or not port_free(ports[0] + 1)
+    monkeypatch.undo()
+    config = build_config({"port": 0, "launch": {"model": "m", "replicas": 3, "vllm_bin": "/bin/sh"}}, environ={})
+    planned = [r.port for r in prepare(config, {"PATH": "/usr/bin"}).replicas]
+    assert len(set(planned)) == 3 and all(PORT_FLOOR <= p < 32768 or p > 60999 for p in planned)
 
 
 def test_output_lines_are_made_safe_to_log():
