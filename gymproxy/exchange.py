@@ -59,7 +59,7 @@ from .errors import (
 from .fleet import Fleet, Sent, Upstream, read, too_large
 from .http1 import Aborted, ClientError, Reply, ReplyTooLarge
 from .overflow import is_context_overflow, status_error, upstream_message
-from .pinning import Signer, cookie_header, new_session_id
+from .pinning import Signer, cookie_header, minted_shape, new_session_id
 from .schemas import ENCODER
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
@@ -142,8 +142,10 @@ class Caller:
 
 def _header_safe(key: str) -> str:
     """A session key as a header value: as it is when printable ASCII and short, else a digest
-    (keys from a body, `prompt_cache_key` or `user`, may hold anything, line breaks included)."""
-    if len(key) <= MAX_SESSION_ID and key.isascii() and key.isprintable():
+    (keys from a body, `prompt_cache_key` or `user`, may hold anything, line breaks included).
+    A key shaped like an id gymproxy mints goes as a digest too: the ids of cookie sessions are
+    gymproxy's alone, so no client can have vLLM attribute its requests to another's session."""
+    if len(key) <= MAX_SESSION_ID and key.isascii() and key.isprintable() and not minted_shape(key):
         return key
     return "sha256-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
