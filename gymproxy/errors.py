@@ -20,16 +20,21 @@ GymproxyError                   500 server_error
     └── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
 
 Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
+A request aiohttp itself cannot parse is answered by aiohttp (400, 431); `MalformedRequests` keeps its
+log to one short line (`quiet_malformed_requests`), since any client can send such requests.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("gymproxy")
 
@@ -235,3 +240,45 @@ def render(exc: Exception, request: web.Request, envelope: Envelope | None = Non
 def error_response(exc: GymproxyError, envelope: Envelope | None = None) -> web.Response:
     body = exc.body() if envelope is None else envelope(exc)
     return web.Response(body=body, status=exc.status, content_type="application/json")
+
+
+class MalformedRequests(logging.Filter):
+    """For `aiohttp.server`: a request it could not parse (a bad request line, header or body framing)
+    is logged as one line, at INFO at most once every `every` seconds and at DEBUG otherwise, instead
+    of aiohttp's ERROR and traceback for each one, with which any client could fill the disk."""
+
+    def __init__(self, every: float = 60.0) -> None:
+        super().__init__()
+        self.every = every
+        self.last = -every
+        self.quiet = 0  # lines at DEBUG since the last one at INFO
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError | RequestPayloadError):
+            return True  # anything else (a bug) keeps its traceback
+        args = record.args if isinstance(record.args, tuple) else ()
+        remote = args[0] if args and "%s" in str(record.msg) else "a client"
+        if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None:
+            exc = exc.__cause__  # the body could not be read: why, as the parser said
+        lines = [line.strip() for line in (getattr(exc, "message", "") or str(exc)).splitlines() if line.strip()]
+        why = lines[0].rstrip(":")[:200] if lines else type(exc).__name__
+        record.exc_info = record.exc_text = record.stack_info = None
+        record.msg, record.args = "malformed request from %s refused: %s", (remote, why)
+        now = time.monotonic()
+        if record.levelno >= logging.INFO and now - self.last >= self.every:
+            since = f", {self.quiet} since the last such line" if self.quiet else ""
+            record.msg += f" (more within {self.every:g} s are logged at DEBUG{since})"
+            self.last, self.quiet = now, 0
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return True
+        self.quiet += 1
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def quiet_malformed_requests() -> None:
+    """Install `MalformedRequests` on aiohttp's server logger (once)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in logger.filters):
+        logger.addFilter(MalformedRequests())

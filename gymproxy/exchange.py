@@ -14,6 +14,11 @@ chat completion or a Response). `Exchange.serve` then runs exactly one of:
 `/v1/responses` with `is_responses_native`, and Anthropic's `/v1/messages`). A reply that is not read
 to its end is closed, which makes vLLM abort the generation: when the client leaves, when a stream
 fails, at shutdown.
+
+No upstream reply is held or passed on past its limit (`limits.max_reply_size`, and
+`limits.max_error_reply_size` for an error status): a whole reply, a relayed body, one event of a
+stream, and a Responses stream (its last event carries the whole reply). Past it the client gets a
+502 naming the upstream and the limit; a relayed body already begun is cut off.
 """
 
 from __future__ import annotations
@@ -51,10 +56,10 @@ from .errors import (
     UpstreamStatus,
     describe,
 )
-from .fleet import Fleet, Sent, Upstream, read
-from .http1 import Aborted, ClientError
+from .fleet import Fleet, Sent, Upstream, read, too_large
+from .http1 import Aborted, ClientError, Reply, ReplyTooLarge
 from .overflow import is_context_overflow, status_error, upstream_message
-from .pinning import Signer, cookie_header, new_session_id
+from .pinning import Signer, cookie_header, minted_shape, new_session_id
 from .schemas import ENCODER
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
@@ -137,8 +142,10 @@ class Caller:
 
 def _header_safe(key: str) -> str:
     """A session key as a header value: as it is when printable ASCII and short, else a digest
-    (keys from a body, `prompt_cache_key` or `user`, may hold anything, line breaks included)."""
-    if len(key) <= MAX_SESSION_ID and key.isascii() and key.isprintable():
+    (keys from a body, `prompt_cache_key` or `user`, may hold anything, line breaks included).
+    A key shaped like an id gymproxy mints goes as a digest too: the ids of cookie sessions are
+    gymproxy's alone, so no client can have vLLM attribute its requests to another's session."""
+    if len(key) <= MAX_SESSION_ID and key.isascii() and key.isprintable() and not minted_shape(key):
         return key
     return "sha256-" + hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
@@ -374,9 +381,13 @@ class Exchange:
         sent = await self._send(route, data, method, query=query, headers=headers)
         try:
             reply = sent.reply
+            if reply.status >= 400:  # read whole (it is small), so one over its limit is still a 502
+                return web.Response(status=reply.status, body=await read(reply), content_type=reply.content_type)
+            stream = reply.content_type == "text/event-stream"
+            if not stream:
+                self._limit(reply)
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
-            stream = reply.content_type == "text/event-stream"
             if stream:
                 response.headers.update(SSE_HEADERS)
             self.caller.stamp(response)
@@ -387,6 +398,8 @@ class Exchange:
                     await response.write(chunk)
                     end = chunk[-4:] if len(chunk) >= 4 else (end + chunk)[-4:]
             except (asyncio.TimeoutError, ClientError) as exc:
+                if isinstance(exc, ReplyTooLarge):
+                    log.info("%s: the relayed body was cut off", too_large(reply, exc).message)
                 if fail is not None and stream and end.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                     sent.close()
                     failure = (
@@ -446,6 +459,8 @@ class Exchange:
                     "not an event stream"
                 )
             translator = answer.stream(continued=backend.continued, reasoning=backend.reasoning)
+            if isinstance(translator, ResponsesStream):  # it keeps it all for its last event: a whole reply
+                self._limit(reply)
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
@@ -458,7 +473,7 @@ class Exchange:
 
     async def _translate(self, sent: Sent, backend: Backend, translator: Translator, writer: SSEWriter) -> bytes | None:
         """Relay the upstream's stream through `translator`; the tail to end it with (None: the client left)."""
-        payloads = _Payloads(backend.adapter())
+        payloads = _Payloads(backend.adapter(), self.proxy.config.limits.max_reply_size)
         feed = translator.payload
         out: list[bytes] = []
         try:
@@ -483,6 +498,11 @@ class Exchange:
             return None
         except Aborted as exc:  # the shutdown's grace is over
             failure = str(exc)
+        except ReplyTooLarge as exc:
+            failure = too_large(sent.reply, exc).message
+        except SSEError:
+            limit = self.proxy.config.limits.max_reply_size
+            failure = f"the upstream {sent.upstream.url} sent an event over {limit} bytes (limits.max_reply_size)"
         except READ_ERRORS as exc:
             failure = f"the upstream {sent.upstream.url} failed mid-stream: {describe(exc)}"
         except Exception:  # a bug in gymproxy: the stream still ends with its terminal event
@@ -529,6 +549,13 @@ class Exchange:
         if sent.pin is not None:
             caller.pin = sent.pin
         return sent
+
+    def _limit(self, reply: Reply) -> None:
+        """Hold `reply` to `limits.max_reply_size` (a 502 now if its Content-Length is over)."""
+        try:
+            reply.limit(self.proxy.config.limits.max_reply_size)
+        except ReplyTooLarge as exc:
+            raise too_large(reply, exc) from exc
 
     def _count_usage(self, sent: Sent, usage: Any, ended: float) -> None:
         """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`);
@@ -592,12 +619,13 @@ class Exchange:
 
 
 class _Payloads:
-    """An upstream SSE body's data payloads, `[DONE]` noted, each adapted to a chat chunk if asked."""
+    """An upstream SSE body's data payloads, `[DONE]` noted, each adapted to a chat chunk if asked;
+    an event over `max_event_size` bytes is an `SSEError`."""
 
     __slots__ = ("_decoder", "_adapt", "done")
 
-    def __init__(self, adapt: Callable[[bytes], bytes] | None) -> None:
-        self._decoder = SSEDecoder()
+    def __init__(self, adapt: Callable[[bytes], bytes] | None, max_event_size: int) -> None:
+        self._decoder = SSEDecoder(max_event_size)
         self._adapt = adapt
         self.done = False
 

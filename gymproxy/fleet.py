@@ -37,7 +37,7 @@ from .errors import (
     UpstreamTimeout,
     describe,
 )
-from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply
+from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply, ReplyTooLarge
 from .metrics import Metrics, label
 from .pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pace, Pinner, Signer, Tally
 
@@ -246,12 +246,14 @@ class Fleet:
 
     def open(self) -> None:
         """Make the upstream client (it needs the running loop)."""
-        timeouts = self.config.timeouts
+        timeouts, limits = self.config.timeouts, self.config.limits
         self.client = Client(
             limit=self.config.max_connections,
             keepalive=timeouts.keepalive,
             connect_timeout=timeouts.connect,
             read_timeout=timeouts.read,
+            max_reply=limits.max_reply_size,
+            max_error_reply=limits.max_error_reply_size,
         )
         self._opened = True
 
@@ -746,7 +748,8 @@ BUSY = b"Please try again later or on a different instance"  # vLLM's admission 
 async def busy_kind(reply: Reply) -> str | None:
     """`busy` for vLLM's admission 503, `paused` for its paused-for-a-weight-update 503, else None.
 
-    The body of a 503 is read and kept, so the caller still reads it when the reply is handed on."""
+    The body of a 503 is read and kept, so the caller still reads it when the reply is handed on
+    (one over `limits.max_error_reply_size` is no busy 503: its reader gets the `ReplyTooLarge`)."""
     if reply.status != 503:
         return None
     try:
@@ -780,9 +783,21 @@ async def read(reply: Reply) -> bytes:
     """The whole body, with read failures mapped to 502/504 naming the upstream (503 when aborted)."""
     try:
         return await reply.read()
+    except ReplyTooLarge as exc:
+        raise too_large(reply, exc) from exc
     except Aborted as exc:  # its owner gave up (shutdown): the reason is the message
         raise Unavailable(str(exc)) from exc
     except asyncio.TimeoutError as exc:
         raise UpstreamTimeout(f"upstream {shown(reply.url)} stopped sending its reply ({describe(exc)})") from exc
     except ClientError as exc:
         raise UpstreamError(f"upstream {shown(reply.url)} broke off its reply: {describe(exc)}") from exc
+
+
+def too_large(reply: Reply, exc: ReplyTooLarge) -> UpstreamError:
+    """A reply over its limit (`Reply.limit`) as a 502 naming the upstream, the limit and its key."""
+    key = "limits.max_error_reply_size" if reply.status >= 400 else "limits.max_reply_size"
+    if exc.announced is not None:
+        size = f"of {exc.announced} bytes, over the limit of {exc.limit}"
+    else:
+        size = f"over the limit of {exc.limit} bytes"
+    return UpstreamError(f"upstream {shown(reply.url)} answered {reply.status} with a body {size} ({key})")

@@ -14,9 +14,15 @@ Replies are framed by `httptools.HttpResponseParser` (llhttp, strict mode), fed 
 
 Every failure is a `ClientError`: `CannotConnect` (the request was never sent), `ConnectTimeout` and
 `ReadTimeout` (both also `TimeoutError`s), `BadReply` (the connection broke or the upstream broke
-HTTP), or the `Aborted` reason given to `Reply.abort` or `Client.abort` (shutdown). A connection is reused only after a reply that was
+HTTP; `ReplyTooLarge` when its body passed the reader's limit), or the `Aborted` reason given to
+`Reply.abort` or `Client.abort` (shutdown). A connection is reused only after a reply that was
 read to its end, framed cleanly, and followed by nothing: a byte that arrives on a connection with no
 reply in progress closes it, so no reply is ever read as the answer to another request.
+
+A body is counted as it arrives, whoever reads it: past the reply's limit (`Reply.limit`; `read`
+applies the client's `max_reply`, or `max_error_reply` for an error status) the reply fails and its
+connection is closed, so no more of it is ever held, and one whose Content-Length is over the
+limit is refused before a byte of it is waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import select
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
@@ -55,6 +62,16 @@ class ReadTimeout(ClientError, asyncio.TimeoutError):
 
 class BadReply(ClientError):
     """The connection closed early, or the upstream's bytes are not HTTP/1.1 we can read."""
+
+
+class ReplyTooLarge(BadReply):
+    """The reply's body is over the reader's limit (`Reply.limit`): the rest of it is never read.
+    `announced` is its Content-Length when that is what was over."""
+
+    def __init__(self, message: str, *, limit: int, announced: int | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.announced = announced
 
 
 class NoReply(BadReply):
@@ -157,6 +174,8 @@ class Reply:
         "_timeout",
         "_pieces",
         "_size",
+        "_received",
+        "_limit",
         "_head_done",
         "_interim",
         "_complete",
@@ -180,7 +199,9 @@ class Reply:
         self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._timeout = client.read_timeout
         self._pieces: list[bytes] = []
-        self._size = 0
+        self._size = 0  # of the body buffered and not yet read
+        self._received = 0  # of the body so far
+        self._limit = sys.maxsize  # of the body: past it the reply fails (`limit`)
         self._head_done = False
         self._interim = False
         self._complete = False
@@ -250,6 +271,7 @@ class Reply:
         self._progress = True
         self._pieces.append(body)
         self._size += len(body)
+        self._received += len(body)
 
     def on_message_complete(self) -> None:
         self._progress = True
@@ -297,6 +319,9 @@ class Reply:
                         why = f"the upstream's reply headers are over {MAX_HEAD} bytes"
                     self._fail(BadReply(why))
                     return
+            if self._received > self._limit:
+                self._too_large(ReplyTooLarge(f"the upstream's reply is over {self._limit} bytes", limit=self._limit))
+                return
             conn = self._conn
             if self._size > HIGH_WATER and conn is not None:
                 conn.pause()
@@ -334,6 +359,11 @@ class Reply:
             conn.close()  # its framing is lost: it can never carry another reply
         self._wake()
 
+    def _too_large(self, error: ReplyTooLarge) -> None:
+        self._pieces.clear()  # what is buffered is no use any more, and none of it may be handed on
+        self._size = 0
+        self._fail(error)
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -368,8 +398,33 @@ class Reply:
                 raise self._error
             await self._wait()
 
+    def limit(self, size: int) -> None:
+        """Fail the reply (`ReplyTooLarge`, the connection closed) once its body passes `size` bytes;
+        raised at once when its Content-Length announces more, or more has arrived already."""
+        self._limit = size
+        if self._error is not None:
+            return  # the reader raises that one
+        error = None
+        announced = self.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > size:
+            error = ReplyTooLarge(
+                f"the upstream's reply announces {int(announced)} bytes, over the limit of {size}",
+                limit=size,
+                announced=int(announced),
+            )
+        elif self._received > size:
+            error = ReplyTooLarge(f"the upstream's reply is over {size} bytes", limit=size)
+        if error is not None:
+            self._too_large(error)
+            raise error
+
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, at most the client's `max_reply` bytes (`max_error_reply` when the status
+        is 400 or more): past that, `ReplyTooLarge`."""
+        client = self._client
+        cap = client.max_error_reply if self.status >= 400 else client.max_reply
+        if cap is not None:
+            self.limit(cap)
         while not self._complete:
             if self._error is not None:
                 raise self._error
@@ -451,9 +506,15 @@ class Client:
         connect_timeout: float | None = 10.0,
         read_timeout: float | None,
         tls: ssl.SSLContext | None = None,
+        max_reply: int | None = None,
+        max_error_reply: int | None = None,
     ) -> None:
-        """`tls` verifies https upstreams (default: the system's trust store)."""
+        """`tls` verifies https upstreams (default: the system's trust store). `max_reply` and
+        `max_error_reply` (None: no limit) cap the bodies `Reply.read` takes, for a status under
+        400 and from 400 on."""
         self.limit = limit
+        self.max_reply = max_reply
+        self.max_error_reply = max_error_reply
         self.keepalive = keepalive
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout

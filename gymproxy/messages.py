@@ -11,7 +11,9 @@ leaves). On top of that:
   whose first key is `model`, as the SDKs write it, is edited in place; any other is re-encoded.
   It also returns `metadata.user_id`, the Messages API's `user`, which may key the session.
 - `upstream_headers`: the client's `anthropic-*` headers (`anthropic-version`, `anthropic-beta`)
-  go upstream; its `x-api-key`, like its `Authorization`, does not.
+  go upstream, if they are printable ASCII and at most `MAX_FORWARDED` of them with
+  `MAX_FORWARDED_BYTES` in all (else a 400 naming the header); its `x-api-key`, like its
+  `Authorization`, does not.
 - `error_body` renders gymproxy's own errors in Anthropic's envelope
   `{"type": "error", "error": {"type", "message"}}`, and `stream_error` ends a relayed stream that
   broke with an `error` event, as Anthropic's own streams end.
@@ -31,6 +33,11 @@ from .errors import BadRequest, GymproxyError, UpstreamStatus
 from .schemas import ENCODER
 
 FORWARDED_PREFIX: Final = "anthropic-"
+# Claude Code sends two (`anthropic-version`, `anthropic-beta` with a few hundred bytes of betas). The
+# bound keeps a request's head well within what an upstream takes (a head it refuses would read as
+# a failure of the upstream, not of the request).
+MAX_FORWARDED: Final = 32
+MAX_FORWARDED_BYTES: Final = 8192  # names and values
 
 # Anthropic's error types by status (its API docs, "HTTP errors"); other 4xx are invalid_request_error.
 ERROR_TYPES: Final = {
@@ -93,12 +100,25 @@ def _decode(decode: Callable[[bytes], Any], body: bytes) -> Any:
 
 
 def upstream_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The client's `anthropic-*` headers, each once (a repeated one's values joined by commas)."""
+    """The client's `anthropic-*` headers, each once (a repeated one's values joined by commas).
+    Raises `BadRequest` for a value that is not printable ASCII, or past the bounds above."""
     forwarded: dict[str, str] = {}
+    count = size = 0
     for name, value in headers:
-        if name.lower().startswith(FORWARDED_PREFIX):
-            key = name.lower()
-            forwarded[key] = f"{forwarded[key]},{value}" if key in forwarded else value
+        key = name.lower()
+        if not key.startswith(FORWARDED_PREFIX):
+            continue
+        count += 1
+        size += len(name) + len(value)
+        if count > MAX_FORWARDED or size > MAX_FORWARDED_BYTES:
+            raise BadRequest(
+                f"the request's {FORWARDED_PREFIX}* headers are over the limit of {MAX_FORWARDED} headers "
+                f"or {MAX_FORWARDED_BYTES} bytes (at {name[:100]})",
+                param=key[:100],
+            )
+        if not (value.isascii() and value.isprintable()):
+            raise BadRequest(f"header {name[:100]} must be printable ASCII", param=key[:100])
+        forwarded[key] = f"{forwarded[key]},{value}" if key in forwarded else value
     return forwarded
 
 

@@ -108,6 +108,11 @@ def new_session_id() -> str:
     return secrets.token_urlsafe(12)
 
 
+def minted_shape(value: str) -> bool:
+    """Whether `value` could be an id `new_session_id` made (16 base64url characters)."""
+    return len(value) == 16 and _SID_CHARS.issuperset(value)
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from . import __version__
 from .config import Config, ConfigError
+from .errors import quiet_malformed_requests
 from .launch import Launcher
 from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
@@ -75,6 +76,7 @@ def run(
     `launch.LaunchFailed` is raised when none of them starts. With `replicas` (a worker of `--workers
     N` with `launch`), /health shows the replicas' states the parent writes to that file."""
     raise_open_files(config.limits.open_files)
+    quiet_malformed_requests()
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:

@@ -1,6 +1,6 @@
 """`gymproxy serve` as the installed command runs it, plus one hook for tests: on SIGUSR1 the process
-writes what it holds to the file named by $GYMPROXY_STATS (RSS in MB, open file descriptors, live
-asyncio tasks, and timer handles, counted on the event loop itself)."""
+writes what it holds to the file named by $GYMPROXY_STATS (RSS in MB, the peak RSS since the last
+report, open file descriptors, live asyncio tasks, and timer handles, counted on the event loop itself)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ _new_loop = gymproxy.server.new_loop
 def _stats() -> dict[str, float]:
     gc.collect()
     with open("/proc/self/status") as status:
-        rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        kb = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS:", "VmHWM:"))}
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # the peak starts again from here (Linux 4.0 and later)
     return {
-        "rss_mb": rss_kb / 1024,
+        "rss_mb": kb["VmRSS"] / 1024,
+        "peak_rss_mb": kb["VmHWM"] / 1024,  # since the last report (or the start)
         "fds": len(os.listdir("/proc/self/fd")),
         "tasks": len(asyncio.all_tasks()),
         "timers": sum(1 for o in gc.get_objects() if type(o).__name__ == "TimerHandle"),

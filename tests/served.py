@@ -83,7 +83,8 @@ class Served:
             await asyncio.sleep(0.05)
 
     async def stats(self) -> dict[str, Any]:
-        """RSS (MB), open files, live asyncio tasks and timer handles, as the process reports them."""
+        """RSS (MB), the peak RSS since the last call (MB), open files, live asyncio tasks and timer
+        handles, as the process reports them."""
         assert self.process is not None
         self.stats_path.unlink(missing_ok=True)
         self.process.send_signal(signal.SIGUSR1)

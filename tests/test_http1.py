@@ -24,7 +24,17 @@ from typing import Any
 import pytest
 from yarl import URL
 
-from gymproxy.http1 import HIGH_WATER, MAX_HEAD, BadReply, CannotConnect, Client, ReadTimeout, Reply, _Connection
+from gymproxy.http1 import (
+    HIGH_WATER,
+    MAX_HEAD,
+    BadReply,
+    CannotConnect,
+    Client,
+    ReadTimeout,
+    Reply,
+    ReplyTooLarge,
+    _Connection,
+)
 from gymproxy.sse import DONE, SSEDecoder
 
 from .conftest import has_ipv6_loopback
@@ -489,6 +499,84 @@ async def test_a_large_body_is_read_whole_through_flow_control(client: Client) -
         await read_request(reader)
         writer.write(ok(body))
         await writer.drain()
+
+    async with Scripted(serve) as server:
+        reply = await client.request("POST", server.url(), {}, b"{}")
+        assert await reply.read() == body
+        reply.release()
+        assert client.idle == 1
+
+
+def endless(status: int = 200, length: int | None = None) -> Serve:
+    """A server that answers with a body that never ends (64 KiB at a time, for as long as it is read)."""
+
+    async def serve(reader, writer):
+        await read_request(reader)
+        framing = b"Content-Length: %d" % length if length is not None else b"Transfer-Encoding: chunked"
+        writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n%s\r\n\r\n" % (status, framing))
+        piece = b"x" * 65536
+        if length is not None:
+            await reader.read()  # the head alone: nothing of the body will be waited for
+            return
+        while True:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+
+    return serve
+
+
+@pytest.mark.parametrize(("status", "limit"), [(200, 3 * HIGH_WATER), (400, 10_000), (503, 10_000)])
+async def test_a_body_past_the_limit_for_its_status_fails_and_closes(new_client, status: int, limit: int) -> None:
+    client = new_client(max_reply=3 * HIGH_WATER, max_error_reply=10_000)
+    async with Scripted(endless(status)) as server:
+        reply = await client.request("POST", server.url(), {}, b"{}")
+        with pytest.raises(ReplyTooLarge) as caught:
+            await reply.read()
+        assert caught.value.limit == limit and caught.value.announced is None
+        assert reply._received <= limit + HIGH_WATER  # never much more than the limit was held
+        with pytest.raises(ReplyTooLarge):
+            await reply.buffer()  # and it stays failed
+        reply.release()
+        assert client.idle == 0 and client.in_use == 0
+        for _ in range(200):
+            if server.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert server.closed == 1
+
+
+async def test_a_content_length_over_the_limit_is_refused_before_the_body(new_client) -> None:
+    client = new_client(max_reply=1_000_000, read_timeout=30.0)
+    async with Scripted(endless(length=10**9)) as server:
+        reply = await client.request("POST", server.url(), {}, b"{}")
+        started = time.monotonic()
+        with pytest.raises(ReplyTooLarge) as caught:
+            await reply.read()  # at once: the body is never waited for
+        assert time.monotonic() - started < 1.0
+        assert (caught.value.limit, caught.value.announced) == (1_000_000, 10**9)
+        reply.release()
+        assert client.idle == 0
+
+
+async def test_a_limit_holds_a_body_read_piece_by_piece(client: Client) -> None:
+    async with Scripted(endless()) as server:
+        reply = await client.request("POST", server.url(), {}, b"{}")
+        reply.limit(200_000)
+        got = 0
+        with pytest.raises(ReplyTooLarge):
+            async for piece in reply.iter_any():
+                got += len(piece)
+        assert got <= 200_000
+        reply.release()
+
+
+async def test_a_body_under_the_limit_is_read_whole_and_pooled(new_client) -> None:
+    client = new_client(max_reply=1000, max_error_reply=10)
+    body = b"y" * 1000
+
+    async def serve(reader, writer):
+        await read_request(reader)
+        writer.write(ok(body))
 
     async with Scripted(serve) as server:
         reply = await client.request("POST", server.url(), {}, b"{}")

@@ -1,0 +1,219 @@
+"""Upstream replies are held to `limits.max_reply_size` and `limits.max_error_reply_size`: a hostile
+upstream that answers with 200 MB costs gymproxy (run as `gymproxy serve` runs) less than 64 MiB of
+RSS, and none of it reaches the client, which gets a 502 naming the upstream and the limit.
+
+The upstream is a raw-socket `RawUpstream` that writes its 200 MB lazily, 1 MiB at a time, for as
+long as gymproxy reads: every path that reads an upstream body whole (chat, Responses, a busy-shaped
+503, a 400), the relayed Messages route (an error, an announced length, a chunked body) and streams
+(one event that never ends, a Responses stream whose last event would carry it all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+import pytest
+
+from .faults import CHAT, RESPONSES, Behaviour, Conn, RawRequest, RawUpstream, Reply, body_for, check_failed_stream
+from .served import Served
+
+MiB = 1024 * 1024
+HUGE = 200 * 1000 * 1000  # what the upstream offers
+RSS_BOUND_MB = 64  # what one such reply may cost gymproxy
+MESSAGES = "/v1/messages"
+BUSY = b'{"error": {"message": "Please try again later or on a different instance ' + b" " * 1000
+
+
+@dataclass
+class Offer:
+    """What the upstream answers with, and how much of it gymproxy took before it hung up."""
+
+    status: int = 200
+    content_type: str = "application/json"
+    announce: bool = False  # a Content-Length of HUGE, rather than chunked
+    first: bytes = b'{"id": "'  # the body's first bytes
+    frames: bytes | None = None  # the body is this, over and over (else `first` and then b"a"s)
+    sent: int = 0
+
+    def pieces(self) -> Iterator[bytes]:
+        if self.frames is not None:
+            piece = self.frames * (MiB // len(self.frames))
+            for _ in range(HUGE // len(piece)):
+                yield piece
+            return
+        yield self.first
+        piece = b"a" * MiB
+        for _ in range((HUGE - len(self.first)) // MiB):
+            yield piece
+
+    def behaviour(self) -> Behaviour:
+        async def behave(conn: Conn, req: RawRequest) -> bool:
+            await conn.head(self.status, self.content_type, length=HUGE if self.announce else None)
+            for piece in self.pieces():
+                self.sent += len(piece)
+                await (conn.write(piece) if self.announce else conn.chunk(piece))
+            return False  # never reached in time: gymproxy hangs up first
+
+        return behave
+
+
+def delta_frames() -> bytes:
+    """A run of vLLM stream chunks, each 4 KB of text: valid to the last byte."""
+    chunk = {
+        "id": "chatcmpl-raw",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "raw",
+        "choices": [{"index": 0, "delta": {"content": "a" * 4000}, "logprobs": None, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+async def _post(url: str, path: str, body: dict[str, object]) -> tuple[Reply, bool]:
+    """The reply, and whether its body was cut off; within 60 s."""
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session, session.post(url + path, json=body) as r:
+        try:
+            raw, cut = await r.read(), False
+        except aiohttp.ClientPayloadError:
+            raw, cut = b"", True
+        return Reply(r.status, dict(r.headers), raw, 0.0), cut
+
+
+async def _exchange(
+    tmp_path, offer: Offer, path: str, body: dict[str, object], **limits: int
+) -> tuple[Reply, bool, float]:
+    """The reply, whether it was cut off, and the peak RSS growth (MB) of one `gymproxy serve`
+    answering `body` from an upstream that answers with `offer`."""
+    upstream = await RawUpstream().start()
+    upstream.push(offer.behaviour())
+    try:
+        config = {"base_url": upstream.url, "limits": limits}
+        async with Served(tmp_path, config) as served:
+            before = await served.stats()
+            reply, cut = await _post(served.url, path, body)
+            after = await served.stats()
+    finally:
+        await upstream.close()
+    return reply, cut, after["peak_rss_mb"] - before["rss_mb"]
+
+
+def _message(raw: bytes) -> str:
+    body = orjson.loads(raw)
+    if body.get("type") == "error":  # Anthropic's envelope
+        return str(body["error"]["message"])
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return str(body["error"]["message"])
+
+
+WHOLE = {
+    "chat 200": (Offer(), CHAT, body_for(CHAT), "limits.max_reply_size"),
+    "chat 200 announced": (Offer(announce=True), CHAT, body_for(CHAT), "limits.max_reply_size"),
+    "responses 200": (Offer(), RESPONSES, body_for(RESPONSES), "limits.max_reply_size"),
+    "busy 503": (Offer(503, first=BUSY), CHAT, body_for(CHAT), "limits.max_error_reply_size"),
+    "plain 503": (Offer(503), RESPONSES, body_for(RESPONSES), "limits.max_error_reply_size"),
+    "400": (
+        Offer(400, first=b'{"error": {"message": "'),
+        RESPONSES,
+        body_for(RESPONSES),
+        "limits.max_error_reply_size",
+    ),
+    "relayed 400": (
+        Offer(400),
+        MESSAGES,
+        {"model": "m", "max_tokens": 5, "messages": []},
+        "limits.max_error_reply_size",
+    ),
+    "relayed 200 announced": (
+        Offer(announce=True),
+        MESSAGES,
+        {"model": "m", "max_tokens": 5, "messages": []},
+        "limits.max_reply_size",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+async def test_a_200_mb_reply_is_a_502_and_costs_little(tmp_path, case: str) -> None:
+    offer, path, body, key = WHOLE[case]
+    reply, cut, grown = await _exchange(tmp_path, offer, path, body)
+    assert reply.status == 502 and not cut, (reply.status, reply.raw[:300])
+    message = _message(reply.raw)
+    assert key in message and "127.0.0.1" in message, message
+    assert "a" * 100 not in message  # none of the body itself
+    assert grown < RSS_BOUND_MB, f"{grown:.0f} MB of RSS for one reply"
+    assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
+
+
+async def test_a_relayed_body_past_the_limit_is_cut_off(tmp_path) -> None:
+    """A chunked body relayed as it arrives: the client has had part of it, so the only honest
+    ending is a cut connection (a Content-Length over the limit is a 502, above)."""
+    offer = Offer()
+    body = {"model": "m", "max_tokens": 5, "messages": []}
+    reply, cut, grown = await _exchange(tmp_path, offer, MESSAGES, body)
+    assert reply.status == 200 and cut
+    assert grown < RSS_BOUND_MB, f"{grown:.0f} MB of RSS for one reply"
+    assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
+
+
+@pytest.mark.parametrize("path", [CHAT, RESPONSES])
+async def test_a_200_mb_stream_event_fails_the_stream(tmp_path, path: str) -> None:
+    offer = Offer(content_type="text/event-stream", first=b'data: {"id": "')  # and no line end, ever
+    reply, cut, grown = await _exchange(tmp_path, offer, path, body_for(path, stream=True))
+    assert not cut
+    message = check_failed_stream(reply, path, url="127.0.0.1")
+    assert "limits.max_reply_size" in message, message
+    assert grown < RSS_BOUND_MB, f"{grown:.0f} MB of RSS for one stream"
+    assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
+
+
+async def test_a_responses_stream_is_held_to_the_reply_limit(tmp_path) -> None:
+    """A Responses stream keeps all it says for its last events (its text twice, and the terminal
+    events repeat it four times), so it is a whole reply: 200 MB of small valid events end it with
+    `response.failed` at `max_reply_size`. What it held by then is a multiple of what arrived
+    (about 9x for text alone), so the bound here is checked with a limit of 4 MiB."""
+    offer = Offer(content_type="text/event-stream", frames=delta_frames())
+    body = body_for(RESPONSES, stream=True)
+    reply, cut, grown = await _exchange(tmp_path, offer, RESPONSES, body, max_reply_size=4 * MiB)
+    assert not cut
+    message = check_failed_stream(reply, RESPONSES, url="127.0.0.1")
+    assert "limits.max_reply_size" in message, message
+    assert grown < RSS_BOUND_MB, f"{grown:.0f} MB of RSS for one stream"
+    assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
+
+
+async def test_replies_under_the_limits_pass_as_before(tmp_path) -> None:
+    """The limits cut nothing they should not: a 2 MB reply and a 100 KB error body pass, with the
+    limits set just above them."""
+    big = {"id": "chatcmpl-raw", "object": "chat.completion", "created": 1, "model": "raw"}
+    big["choices"] = [
+        {"index": 0, "message": {"role": "assistant", "content": "a" * 2_000_000}, "finish_reason": "stop"}
+    ]
+    payload = orjson.dumps(big)
+    error = orjson.dumps({"error": {"message": "b" * 100_000, "type": "BadRequestError", "param": None, "code": 400}})
+
+    async def whole(conn: Conn, req: RawRequest) -> bool:
+        await conn.head(200, length=len(payload))
+        await conn.write(payload)
+        return True
+
+    async def refused(conn: Conn, req: RawRequest) -> bool:
+        await conn.head(400)
+        await conn.chunk(error)
+        await conn.end_chunks()
+        return True
+
+    upstream = await RawUpstream().start()
+    upstream.push(whole, refused)
+    try:
+        limits = {"max_reply_size": 2_100_000, "max_error_reply_size": 110_000}
+        async with Served(tmp_path, {"base_url": upstream.url, "limits": limits}) as served:
+            reply, _ = await _post(served.url, CHAT, body_for(CHAT))
+            assert reply.status == 200 and reply.json()["choices"][0]["message"]["content"] == "a" * 2_000_000
+            reply, _ = await _post(served.url, CHAT, body_for(CHAT))
+            assert reply.status == 400 and "b" * 100_000 in _message(reply.raw), (reply.status, reply.raw[:300])
+    finally:
+        await upstream.close()
