@@ -9,9 +9,9 @@ refused, or vLLM answered its "busy" or "paused" 503. One that an upstream dropp
 written (closed or reset before one reply byte) goes again at most once: to the same upstream on a
 new connection when a pooled one closed (the keep-alive race), or to the next when the upstream
 that dropped it is gone; an upstream still up chose to drop it, and the client gets a 502 (a query
-of death kills one engine, not the fleet). vLLM aborts a request whose connection closes, so no
-generation ever runs twice at once. Each upstream keeps a circuit breaker (`pinning.Breaker`) fed
-by those failures, at most one per request (`Attempts`).
+of death kills one engine, not the fleet, and opens no breaker). vLLM aborts a request whose
+connection closes, so no generation ever runs twice at once. Each upstream keeps a circuit breaker
+(`pinning.Breaker`) fed by the failures that may be re-sent, at most one per request (`Attempts`).
 """
 
 from __future__ import annotations
@@ -350,9 +350,9 @@ class Fleet:
         Re-sent (within `retries`): a refused connection and vLLM's "busy" and "paused" 503s; and at
         most once, a request dropped before any reply byte: a pooled connection closed (to the same
         upstream, new connection), or a drop by an upstream found gone (to the next). Never re-sent:
-        a drop by an upstream still up (502: it may be this request it cannot take), anything that
-        got a status line otherwise, and anything after this returns (the caller may have sent bytes
-        to its client by then).
+        a drop by an upstream still up (502, and no breaker failure: it may be this request that it
+        cannot take), anything that got a status line otherwise, and anything after this returns
+        (the caller may have sent bytes to its client by then).
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
@@ -384,12 +384,14 @@ class Fleet:
                     if tries.again_here(kind):
                         self.retries[kind] += 1
                         continue
-                    why = await self._not_again(upstream, tries)
-                    if why is not None:
+                    if single:
+                        raise  # nowhere else to send it
+                    if not await self._gone(upstream):
+                        upstream.breaker.abandon()  # it answers: not failing, but refusing this input
+                        raise UpstreamError(f"{exc}; not re-sent: {STILL_UP}") from exc.__cause__
+                    if tries.resent:
                         tries.charge(upstream)
-                        if why:
-                            raise UpstreamError(f"{exc}; not re-sent: {why}") from exc.__cause__
-                        raise
+                        raise UpstreamError(f"{exc}; not re-sent: {RESENT}") from exc.__cause__
                 error: GymproxyError = exc
             except Saturated:
                 upstream.breaker.abandon()
@@ -426,19 +428,6 @@ class Fleet:
             self.retries[kind] += 1
             if wait > 0:
                 await asyncio.sleep(wait)
-
-    async def _not_again(self, upstream: Upstream, tries: Attempts) -> str | None:
-        """Why a request `upstream` dropped after it was written is not sent again ("" when there is
-        nothing to add to the failure), or None: `upstream` is gone, so the next one may have it."""
-        if tries.single:
-            return ""  # nowhere else to send it
-        if tries.resent:
-            return "it was already re-sent once after a dropped connection"
-        if tries.sends + 1 >= tries.budget.attempts:
-            return ""  # the budget is spent
-        if await self._gone(upstream):
-            return None
-        return "the upstream still answers its /health, so it may be this request that it cannot take"
 
     async def _gone(self, upstream: Upstream) -> bool:
         """Whether `upstream`, which just dropped a request, is gone (its process died): marked down,
@@ -744,6 +733,8 @@ class Fleet:
 
 
 DROPPED = frozenset({"stale", "closed", "reset"})  # `failure_kind`s of a request an upstream may have read
+STILL_UP = "the upstream still answers its /health, so it may be this request that it cannot take"
+RESENT = "it was already re-sent once after a dropped connection"
 
 
 class Attempts:
@@ -758,11 +749,12 @@ class Attempts:
       byte) may have been read, and may be what made it drop: it goes again once per request at
       most. A pooled connection closed so goes to the same upstream on a new connection (the
       upstream's idle close may have crossed it); any other drop goes to the next upstream only
-      when the one that dropped it is gone (`Fleet._not_again`): an upstream still up chose to
-      drop that input (a query of death), and it is not handed one more engine to kill. So at
-      most two sends of a request were ever read (by two upstreams, or one twice).
-    - A request feeds one breaker failure at most, its first: a client's requests can open the
-      breaker of the upstream its session is on, never every upstream's.
+      when the one that dropped it is gone (`Fleet._gone`). An upstream still up chose to drop
+      that input (a query of death): it is not handed one more engine to kill, and, as for its
+      500s, its breaker is not fed. So at most two sends of a request were ever read (by two
+      upstreams, or one twice).
+    - A request feeds one breaker failure at most, its first: however many upstreams it tries,
+      one request can never open more than one breaker.
     """
 
     __slots__ = (
