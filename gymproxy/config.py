@@ -104,7 +104,8 @@ class Pinning(Settings, frozen=True, kw_only=True):
 
 
 class Retries(Settings, frozen=True, kw_only=True):
-    """Re-sending a request that no upstream began (refused, closed before any byte, vLLM's "busy" 503)."""
+    """Re-sending a request that no upstream began (refused, vLLM's "busy" 503), or once one that a
+    dead upstream dropped (`fleet.Attempts`)."""
 
     attempts: Annotated[int, msgspec.Meta(ge=1)] = 3  # sends in all, the first included
     deadline_s: Seconds = 30.0  # no retry starts later than this after the first send

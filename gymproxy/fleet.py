@@ -4,10 +4,14 @@ The fleet never sees the client's request: callers pass the pin cookie's value, 
 the request id, and get back what was sent where (`Sent`), including the new pin to set. Every
 failure to talk to an upstream becomes an `UpstreamError` (502) or `UpstreamTimeout` (504) whose
 message names the URL that failed (never its credentials), so a wrong `base_url` is obvious at once.
-A request is re-sent to the session's next upstream only when no upstream began it: the connection
-was refused, closed or reset before one reply byte (vLLM aborts a request whose connection closes),
-or vLLM answered its "busy" or "paused" 503; so no generation ever runs twice at once. Each upstream
-keeps a circuit breaker (`pinning.Breaker`) fed by those same failures.
+A request is re-sent to the session's next upstream when no upstream began it: the connection was
+refused, or vLLM answered its "busy" or "paused" 503. One that an upstream dropped after it was
+written (closed or reset before one reply byte) goes again at most once: to the same upstream on a
+new connection when a pooled one closed (the keep-alive race), or to the next when the upstream
+that dropped it is gone; an upstream still up chose to drop it, and the client gets a 502 (a query
+of death kills one engine, not the fleet, and opens no breaker). vLLM aborts a request whose
+connection closes, so no generation ever runs twice at once. Each upstream keeps a circuit breaker
+(`pinning.Breaker`) fed by the failures that may be re-sent, at most one per request (`Attempts`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any, NamedTuple
 
 from yarl import URL
 
-from .config import Config, UpstreamSpec, upstream_specs
+from .config import Config, Retries, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
     NotConnected,
@@ -343,61 +347,58 @@ class Fleet:
         headers: Mapping[str, str] | None = None,
     ) -> Sent:
         """Send to the session's upstream (by pin `cookie`, else session `key`, else placement) and read
-        the reply's head, re-sending to the session's next upstream what no upstream began.
+        the reply's head, sending again what `Attempts` says may go again, where it says.
 
-        Re-sent (within `retries`): a refused connection, one closed or reset before any reply byte
-        (vLLM aborts a request whose connection closes, so nothing runs twice), and vLLM's "busy"
-        and "paused" 503s. Never re-sent: anything that got a status line otherwise, and anything
-        after this returns (the caller may have sent bytes to its client by then).
+        Re-sent (within `retries`): a refused connection and vLLM's "busy" and "paused" 503s; and at
+        most once, a request dropped before any reply byte: a pooled connection closed (to the same
+        upstream, new connection), or a drop by an upstream found gone (to the next). Never re-sent:
+        a drop by an upstream still up (502, and no breaker failure: it may be this request that it
+        cannot take), anything that got a status line otherwise, and anything after this returns
+        (the caller may have sent bytes to its client by then).
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
         `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
         extra = (query, headers, session_id)
         single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
-        budget = self.config.retries
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget.deadline_s
-        tried: list[Upstream] = []
-        failed: list[Upstream] = []
-        reason = "down"
-        attempt = streak = 0
-        last_kind = ""
-        resent_stale = False
+        tries = Attempts(self.config.retries, single, loop.time())
+        upstream: Upstream
+        pin: str | None
         while True:
             if single:
                 upstream, pin = self.upstreams[0], None
-            else:
-                chosen = self.pinner.pick(cookie, key, sid=sid, exclude=tuple(tried), reason=reason)
+            elif not tries.here:
+                chosen = self.pinner.pick(cookie, key, sid=sid, exclude=tuple(tries.tried), reason=tries.reason)
                 upstream, pin = chosen.upstream, chosen.cookie
                 upstream.breaker.admit()
-            attempt += 1
+            tries.here = False
             sent: Sent | None = None
             started = time.monotonic()
             try:
-                reply = await self._attempt(upstream, route, data, method, request_id, *extra, fresh=resent_stale)
+                reply = await self._attempt(upstream, route, data, method, request_id, *extra, fresh=tries.fresh)
             except UpstreamError as exc:
                 kind = failure_kind(exc.__cause__)
                 if kind is None:
                     upstream.breaker.abandon()
                     raise
-                if kind == "stale" and not resent_stale:
-                    # A pooled connection the upstream had closed while idle: it never saw the
-                    # request. Once, straight to the same upstream, on a new connection.
-                    resent_stale = True
-                    attempt -= 1
-                    self.retries[kind] += 1
-                    continue
+                if kind in DROPPED:
+                    if tries.again_here(kind):
+                        self.retries[kind] += 1
+                        continue
+                    if single:
+                        raise  # nowhere else to send it
+                    if not await self._gone(upstream):
+                        upstream.breaker.abandon()  # it answers: not failing, but refusing this input
+                        raise UpstreamError(f"{exc}; not re-sent: {STILL_UP}") from exc.__cause__
+                    if tries.resent:
+                        tries.charge(upstream)
+                        raise UpstreamError(f"{exc}; not re-sent: {RESENT}") from exc.__cause__
                 error: GymproxyError = exc
             except Saturated:
                 upstream.breaker.abandon()
-                if single or len(tried) + 1 >= len(self.upstreams):
+                if not tries.full(upstream, len(self.upstreams)):
                     raise  # every upstream is at its cap
-                # At its cap (`limits.when_full: reject`): it saw nothing, so the next one is asked
-                # at once, without a backoff and without counting against its breaker or the budget.
-                tried.append(upstream)
-                attempt -= 1
-                reason = "busy"
                 self.retries["full"] += 1
                 continue
             except BaseException:
@@ -415,41 +416,47 @@ class Fleet:
                     upstream.breaker.succeeded()
                     return sent
                 error = UpstreamStatus(reply.status, f"upstream {upstream.url} answered {reply.status} ({kind})")
-            if not single:
-                upstream.breaker.failed()
-            failed.append(upstream)
-            if upstream not in tried:
-                tried.append(upstream)
-            connection = sent is None
-            done = single or attempt >= budget.attempts
-            if len(tried) >= len(self.upstreams):
-                if connection:
-                    done = True  # every upstream failed to take it: nothing left to try
-                else:
-                    tried.clear()  # every one is busy: round again, after the backoff
-            streak = streak + 1 if kind == last_kind else 1
-            last_kind = kind
-            wait = 0.0
-            if streak > 1 and not done:  # the same failure again: back off (full jitter)
-                wait = random.uniform(0.0, min(budget.backoff_max_s, budget.backoff_s * 2 ** (streak - 2)))
-            if sent is not None:
-                wait = max(wait, retry_after(reply.headers))
-            if loop.time() + wait > deadline:
-                done = True
-            if done:
+            wait = tries.failed(upstream, kind, len(self.upstreams), None if sent is None else sent.reply, loop.time())
+            if wait is None:
                 if sent is not None:
                     return sent  # vLLM's own 503 (and its Retry-After) goes to the client
                 if not single and failure_kind(error.__cause__) in ("refused", "connect_timeout"):
-                    names = ", ".join(dict.fromkeys(u.url for u in failed))
+                    names = ", ".join(dict.fromkeys(u.url for u in tries.failures))
                     raise NoUpstream(f"no upstream is reachable: {names} all refused the connection") from error
                 raise error
             if sent is not None:
                 await sent.reply.read()  # buffered: the connection goes back to the pool
                 sent.release()
             self.retries[kind] += 1
-            reason = "down" if connection else "busy"
             if wait > 0:
                 await asyncio.sleep(wait)
+
+    async def _gone(self, upstream: Upstream) -> bool:
+        """Whether `upstream`, which just dropped a request, is gone (its process died): marked down,
+        or its /health, asked on a new connection, gets no answer (refused, reset, or none within
+        `health.timeout`). Any answer at all means the process is there and chose to drop it.
+
+        A connect alone would not do: a dying process's connections may be reset a moment before
+        its listener closes, and a connect in that moment still succeeds."""
+        if not upstream.healthy:
+            return True
+        health = upstream.urls["health"]
+        try:
+            reply = await asyncio.wait_for(
+                self.client.request("GET", health, upstream.headers, fresh=True), self.config.health.timeout
+            )
+        except Aborted:
+            return True  # shutting down: the next send says so
+        except CannotConnect as exc:
+            self.mark(upstream, False, f"it dropped a request, then refused a connection: {describe(exc)}")
+            return True
+        except (ClientError, asyncio.TimeoutError) as exc:
+            log.warning(
+                "upstream %s dropped a request, then %s did not answer: %s", upstream.url, shown(health), describe(exc)
+            )
+            return True
+        reply.close()
+        return False
 
     async def call(
         self,
@@ -727,11 +734,130 @@ class Fleet:
         )
 
 
+DROPPED = frozenset({"stale", "closed", "reset"})  # `failure_kind`s of a request an upstream may have read
+STILL_UP = "the upstream still answers its /health, so it may be this request that it cannot take"
+RESENT = "it was already re-sent once after a dropped connection"
+
+
+class Attempts:
+    """The retry policy of one client request (`Fleet.send`): after each failure, whether it goes
+    again, where (the same upstream or the session's next), and after how long.
+
+    - What no upstream began goes to the next upstream: a refused connection or connect timeout,
+      vLLM's busy and paused 503s (the round starts again once every upstream was busy), an
+      upstream at its cap; within `retries.attempts` sends and `retries.deadline_s`, backing off
+      when the same kind of failure repeats.
+    - What an upstream dropped after it was written (`DROPPED`: closed or reset before a reply
+      byte) may have been read, and may be what made it drop: it goes again once per request at
+      most. A pooled connection closed so goes to the same upstream on a new connection (the
+      upstream's idle close may have crossed it); any other drop goes to the next upstream only
+      when the one that dropped it is gone (`Fleet._gone`). An upstream still up chose to drop
+      that input (a query of death): it is not handed one more engine to kill, and, as for its
+      500s, its breaker is not fed. So at most two sends of a request were ever read (by two
+      upstreams, or one twice).
+    - A request feeds one breaker failure at most, its first: however many upstreams it tries,
+      one request can never open more than one breaker.
+    """
+
+    __slots__ = (
+        "budget",
+        "single",
+        "deadline",
+        "tried",
+        "failures",
+        "reason",
+        "sends",
+        "streak",
+        "last_kind",
+        "here",
+        "fresh",
+        "resent",
+        "charged",
+    )
+
+    def __init__(self, budget: Retries, single: bool, now: float) -> None:
+        self.budget = budget
+        self.single = single  # one upstream: nowhere else to go, and no breaker
+        self.deadline = now + budget.deadline_s  # loop time after which no send starts
+        self.tried: list[Upstream] = []  # excluded from the next pick
+        self.failures: list[Upstream] = []  # every upstream that failed it, for the message
+        self.reason = "down"  # why the session moves, for `Pinner.pick`
+        self.sends = 0  # failed sends counted against `retries.attempts`
+        self.streak = 0  # failures of `last_kind` in a row
+        self.last_kind = ""
+        self.here = False  # the next send goes to the same upstream again
+        self.fresh = False  # the next sends go on new connections
+        self.resent = False  # its one send after a drop is spent
+        self.charged = False  # its one breaker failure is spent
+
+    def again_here(self, kind: str) -> bool:
+        """A pooled connection closed with no reply (`stale`): once, to the same upstream on a new
+        connection, as the request's one send after a drop. Not counted against the budget."""
+        if kind != "stale" or self.resent:
+            return False
+        self.here = self.fresh = self.resent = True
+        return True
+
+    def full(self, upstream: Upstream, fleet: int) -> bool:
+        """`upstream` is at its cap (`limits.when_full: reject`): it saw nothing, so the next is asked
+        at once, with no backoff, no breaker failure and nothing off the budget; False when every
+        one of the `fleet` upstreams is full."""
+        if self.single or len(self.tried) + 1 >= fleet:
+            return False
+        self.tried.append(upstream)
+        self.reason = "busy"
+        return True
+
+    def charge(self, upstream: Upstream) -> None:
+        """The verdict on `upstream`'s breaker for a failure: the request's first counts, any later
+        one leaves it as it was (a half-open probe is let go, `Breaker.abandon`)."""
+        if self.single:
+            return
+        if self.charged:
+            upstream.breaker.abandon()
+        else:
+            self.charged = True
+            upstream.breaker.failed()
+
+    def failed(self, upstream: Upstream, kind: str, fleet: int, reply: Reply | None, now: float) -> float | None:
+        """After a failure that may go again (`kind` of `failure_kind` or `busy_kind`; `reply`: the
+        503 when it is one): the seconds to wait before the next send, or None: the client hears it."""
+        self.charge(upstream)
+        self.failures.append(upstream)
+        if upstream not in self.tried:
+            self.tried.append(upstream)
+        self.sends += 1
+        if kind in DROPPED:
+            self.resent = self.fresh = True
+        connection = reply is None
+        budget = self.budget
+        done = self.single or self.sends >= budget.attempts
+        if len(self.tried) >= fleet:
+            if connection:
+                done = True  # every upstream failed to take it: nothing left to try
+            else:
+                self.tried.clear()  # every one is busy: round again, after the backoff
+        self.streak = self.streak + 1 if kind == self.last_kind else 1
+        self.last_kind = kind
+        wait = 0.0
+        if self.streak > 1 and not done:  # the same failure again: back off (full jitter)
+            wait = random.uniform(0.0, min(budget.backoff_max_s, budget.backoff_s * 2 ** (self.streak - 2)))
+        if reply is not None:
+            wait = max(wait, retry_after(reply.headers))
+        if done or now + wait > self.deadline:
+            return None
+        self.reason = "down" if connection else "busy"
+        return wait
+
+
 def failure_kind(exc: BaseException | None) -> str | None:
-    """Why a request failed before any upstream began it (a retry is safe), or None."""
+    """How a request failed before any reply byte, or None (no retry). `refused` and
+    `connect_timeout`: it was never sent. `stale`, `closed` and `reset` (`DROPPED`): it was
+    written, and the connection ended; `Attempts` says what may go again."""
     if isinstance(exc, NoReply):
-        # A pooled connection closed (a FIN, no reply): the upstream's idle close crossed our request
-        # on the wire. A reset, or any close of a fresh connection, came after vLLM had the request.
+        # A pooled connection closed (a FIN, no reply): the upstream's idle close may have crossed
+        # our request on the wire. A reset, or any close of a fresh connection, came after the
+        # upstream had the request.
         if exc.reset:
             return "reset"
         return "stale" if exc.reused else "closed"

@@ -427,6 +427,37 @@ async def reset_before_status(conn: Conn, req: RawRequest) -> bool:
     return False
 
 
+async def close_before_status(conn: Conn, req: RawRequest) -> bool:
+    """The whole request read, then a FIN and no reply (a server that drops what it cannot take)."""
+    conn.writer.close()
+    return False
+
+
+def dies(how: str = "reset") -> Behaviour:
+    """The upstream's process dies with the request read: its listener goes (a new connection is
+    refused), then its connections end as the kernel ends a killed process's: `reset` (RST, when
+    unread bytes were left) or `close` (FIN)."""
+
+    async def behave(conn: Conn, req: RawRequest) -> bool:
+        conn.owner.stop_listening()
+        if how == "reset":
+            conn.reset()
+        else:
+            conn.writer.close()
+        return False
+
+    return behave
+
+
+def only_if(word: bytes, behaviour: Behaviour, otherwise: Behaviour = good) -> Behaviour:
+    """`behaviour` for a request whose body holds `word` (a query of death), `otherwise` for the rest."""
+
+    async def behave(conn: Conn, req: RawRequest) -> bool:
+        return await (behaviour if word in req.body else otherwise)(conn, req)
+
+    return behave
+
+
 async def reset_mid_body(conn: Conn, req: RawRequest) -> bool:
     body = completion(ANSWER)
     await conn.head(200, length=len(body) + 100)
@@ -564,6 +595,11 @@ class RawUpstream:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
+
+    def stop_listening(self) -> None:
+        """Close the listener (new connections are refused); the accepted ones stay as they are."""
+        if self._server is not None:
+            self._server.close()
 
     async def close(self) -> None:
         if self._server is not None:

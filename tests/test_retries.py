@@ -13,6 +13,7 @@ import time
 import aiohttp
 import orjson
 import pytest
+from yarl import URL
 
 from gymproxy.fleet import retry_after
 from gymproxy.pinning import CLOSED, Signer
@@ -23,15 +24,19 @@ from .faults import (
     RawRequest,
     RawUpstream,
     body_for,
+    close_before_status,
+    dies,
     eventually,
     fixed,
     good,
+    only_if,
     reset_before_status,
     reset_mid_body,
     start_proxy,
     stream_then,
     trickle,
 )
+from .served import Served
 
 SECRET = "test-secret"
 SIGNER = Signer(SECRET.encode(), 3600)
@@ -58,11 +63,14 @@ async def proxy(aiohttp_server, ups, **config):
     return await start_proxy(aiohttp_server, [u.url for u in ups], **config)
 
 
-async def ask(url: str, pin_on: RawUpstream, *, stream: bool = False) -> tuple[int, bytes, str | None]:
+async def ask(
+    url: str, pin_on: RawUpstream, *, stream: bool = False, text: str = "hello"
+) -> tuple[int, bytes, str | None]:
     """One chat request pinned (by cookie) to `pin_on`: status, body, and the new pin if one was set."""
     headers = {"Cookie": f"gymproxy_pin={SIGNER.sign(pin_on.url)}"}
+    body = body_for(CHAT, stream=stream, text=text)
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
-        async with session.post(url + CHAT, json=body_for(CHAT, stream=stream), headers=headers) as r:
+        async with session.post(url + CHAT, json=body, headers=headers) as r:
             morsel = r.cookies.get("gymproxy_pin")
             try:
                 body = await r.read()
@@ -76,12 +84,9 @@ async def metrics(url: str) -> str:
         return await r.text()
 
 
-def close_before_replying(conn: Conn, req: RawRequest):
-    async def behave(conn: Conn, req: RawRequest) -> bool:
-        conn.writer.close()  # a FIN on a fresh connection, after the request arrived
-        return False
-
-    return behave(conn, req)
+def poisoned(upstream: RawUpstream) -> list[bool]:
+    """Whether each chat request `upstream` saw carrying the word "poison" came on a pooled connection."""
+    return [r.reused for r in upstream.requests if r.path.endswith("/completions") and b"poison" in r.body]
 
 
 # --- re-sent -------------------------------------------------------------------------------------
@@ -90,11 +95,11 @@ def close_before_replying(conn: Conn, req: RawRequest):
 @pytest.mark.parametrize(
     ("fault", "reason"),
     [
-        (reset_before_status, "reset"),
+        (dies("reset"), "reset"),
         (fixed(503, vllm_error(503, BUSY)), "busy"),
         (fixed(503, vllm_error(503, PAUSED)), "paused"),
     ],
-    ids=["reset", "busy-503", "paused-503"],
+    ids=["died-reset", "busy-503", "paused-503"],
 )
 async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp_server, ups, fault, reason):
     url, _ = await proxy(aiohttp_server, ups)
@@ -137,20 +142,25 @@ async def test_an_upstream_at_its_cap_sends_the_session_to_the_next_at_once(aioh
     assert all(u.breaker.state == CLOSED for u in proxy_.fleet.upstreams)
 
 
-async def test_closed_before_any_byte_pooled_then_fresh(aiohttp_server, ups):
+async def test_a_pooled_connection_closed_with_no_reply_goes_once_more_to_the_same_upstream(aiohttp_server, ups):
     """A pooled connection closed with no reply is re-sent once to the same upstream on a new
-    connection (its idle close crossed our request); a new connection closed so goes to the next."""
+    connection (its idle close may have crossed our request); that is the request's one re-send
+    after a drop: a second drop, by an upstream still up, is the client's 502."""
     url, _ = await proxy(aiohttp_server, ups)
     a = ups[0]
     await ask(url, a)  # leaves a connection to `a` in the pool
-    a.push(close_before_replying, close_before_replying)
+    a.push(close_before_status)
     status, body, pin = await ask(url, a)
-    assert status == 200, body
-    assert a.generations() == 3 and sum(u.generations() for u in ups[1:]) == 1
+    assert status == 200 and pin is None, body
+    assert a.generations() == 3 and sum(u.generations() for u in ups[1:]) == 0
     assert [r.reused for r in a.requests if r.path.endswith("/completions")][1:] == [True, False]
+    a.push(close_before_status, close_before_status)  # the pool holds the connection that answered
+    status, body, _ = await ask(url, a)
+    assert status == 502 and f"{a.url}/chat/completions" in body.decode(), body
+    assert a.generations() == 5 and sum(u.generations() for u in ups[1:]) == 0
     text = await metrics(url)
-    assert 'gymproxy_retries_total{reason="stale"} 1' in text
-    assert 'gymproxy_retries_total{reason="closed"} 1' in text
+    assert 'gymproxy_retries_total{reason="stale"} 2' in text
+    assert 'reason="closed"' not in text
 
 
 async def test_a_refused_connection_goes_to_the_next(aiohttp_server, ups):
@@ -168,7 +178,7 @@ async def test_a_retry_starts_only_after_the_first_connection_closed(aiohttp_ser
     arrived_at: list[float] = []
 
     async def reset_and_note(conn: Conn, req: RawRequest) -> bool:
-        await reset_before_status(conn, req)
+        await dies("reset")(conn, req)
         closed_at.append(time.monotonic())
         return False
 
@@ -326,3 +336,133 @@ async def test_the_breaker_opens_probes_once_and_closes_or_reopens(aiohttp_serve
     assert status == 200 and a.generations() == 4 and pin is None
     assert 'gymproxy_upstream_breaker{upstream="' + a.url + '"} 0' in await metrics(url)
     assert 'gymproxy_upstream_breaker_opened_total{upstream="' + a.url + '"} 2' in await metrics(url)
+
+
+# --- drops: a query of death kills one engine, not the fleet -----------------------------------------
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["fresh", "pooled"])
+@pytest.mark.parametrize("fault", [close_before_status, reset_before_status], ids=["closed", "reset"])
+async def test_an_upstream_still_up_that_drops_a_request_is_not_sent_it_again(aiohttp_server, ups, fault, pooled):
+    """It read the request and dropped it, and it still takes connections: it chose to (an input it
+    cannot take). The client gets a 502 naming it; no other upstream sees the request. A pooled
+    connection closed may have been the keep-alive race: that one goes once more to the same upstream."""
+    url, proxy_ = await proxy(aiohttp_server, ups)
+    for upstream in ups:
+        upstream.default = only_if(b"poison", fault)
+    assert (await ask(url, ups[0]))[0] == 200  # leaves its connection in the pool
+    if not pooled:
+        proxy_.fleet.client.close_idle(URL(ups[0].url))
+    status, body, pin = await ask(url, ups[0], text="poison")
+    assert status == 502, body
+    message = orjson.loads(body)["error"]["message"]
+    assert f"{ups[0].url}/chat/completions" in message and "not re-sent" in message, message
+    expected = [True, False] if pooled and fault is close_before_status else [pooled]
+    assert poisoned(ups[0]) == expected
+    assert poisoned(ups[1]) == poisoned(ups[2]) == []
+    assert pin is None and all(u.healthy for u in proxy_.fleet.upstreams)  # nobody moved, nothing marked down
+    status, _, pin = await ask(url, ups[0])  # and it serves the next request
+    assert status == 200 and pin is None
+
+
+async def test_poison_requests_open_no_breaker_and_the_fleet_serves_on(aiohttp_server, ups):
+    """Five requests that make their upstream drop the connection, on a session pinned to each
+    upstream in turn (a client can start sessions at will): an upstream that still answers is not
+    failing, so no breaker opens, and every other session is still served, none with a 503."""
+    url, proxy_ = await proxy(aiohttp_server, ups, breaker={"failures": 5, "cooldown_s": 30})
+    for upstream in ups:
+        upstream.default = only_if(b"poison", close_before_status)
+    for upstream in ups:
+        for _ in range(5):
+            status, body, _ = await ask(url, upstream, text="poison")
+            assert status == 502 and f"{upstream.url}/chat/completions" in body.decode(), body
+    others = await asyncio.gather(*(ask(url, u) for u in ups for _ in range(4)))
+    assert [status for status, _, _ in others] == [200] * 12, others
+    assert [u.breaker.state for u in proxy_.fleet.upstreams] == [CLOSED] * 3
+    assert all(5 <= len(poisoned(u)) <= 10 for u in ups)  # twice at most each: the keep-alive race
+
+
+async def test_served_poison_requests_leave_the_fleet_serving(ups, tmp_path):
+    """The red team's attack on `gymproxy serve`: requests that make their upstream drop the
+    connection, five on one session, then five on a session pinned to each of the others; then
+    twelve other sessions (four pinned to each upstream)."""
+    for upstream in ups:
+        upstream.default = only_if(b"poison", close_before_status)
+    config = {"base_url": [u.url for u in ups], "pinning": {"secret": SECRET}, "health": {"interval": 60}}
+    async with Served(tmp_path, config) as served:
+        poison = [(u, await ask(served.url, u, text="poison")) for u in ups for _ in range(5)]
+        others = await asyncio.gather(*(ask(served.url, u) for u in ups for _ in range(4)))
+        text = await metrics(served.url)
+    assert [status for status, _, _ in others] == [200] * 12, others
+    for upstream, (status, body, _) in poison:
+        assert status == 502 and f"{upstream.url}/chat/completions" in body.decode(), body
+    opened = [line for line in text.splitlines() if line.startswith("gymproxy_upstream_breaker_opened_total{")]
+    assert len(opened) == 3 and all(line.endswith(" 0") for line in opened), opened
+    assert all(5 <= len(poisoned(u)) <= 10 for u in ups)
+
+
+@pytest.mark.parametrize("how", ["reset", "close"])
+async def test_an_upstream_that_dies_with_the_request_has_it_re_sent_once(aiohttp_server, ups, how):
+    """Its listener is gone (the connect is refused): the process died, so the request goes to the
+    next upstream and the client gets its answer; the dead one is marked down."""
+    url, proxy_ = await proxy(aiohttp_server, ups)
+    a = ups[0]
+    a.push(dies(how))
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 1 and sum(u.generations() for u in ups[1:]) == 1
+    assert (SIGNER.unsign(pin or "") or ("",))[0] in (ups[1].url, ups[2].url)
+    assert not proxy_.fleet.upstreams[0].healthy
+    assert [u.breaker.streak for u in proxy_.fleet.upstreams] == [1, 0, 0]  # a dead one's drop is a failure
+
+
+async def test_an_upstream_whose_connections_go_before_its_listener_is_found_dead(aiohttp_server, ups):
+    """A killed process's connections may be reset a moment before its listener closes: a connect
+    then still succeeds, but nothing answers on it. Its /health is what tells."""
+
+    async def dying(conn: Conn, req: RawRequest) -> bool:
+        conn.owner.health = gone
+        conn.reset()
+        return False
+
+    async def gone(conn: Conn, req: RawRequest) -> bool:  # accepted by the kernel, never answered
+        await asyncio.sleep(0.05)
+        conn.owner.stop_listening()
+        conn.reset()
+        return False
+
+    url, _ = await proxy(aiohttp_server, ups)
+    a = ups[0]
+    a.push(dying)
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 1 and sum(u.generations() for u in ups[1:]) == 1
+    assert (SIGNER.unsign(pin or "") or ("",))[0] in (ups[1].url, ups[2].url)
+
+
+async def test_a_request_that_kills_every_upstream_it_reaches_kills_two_at_most(aiohttp_server, ups):
+    """Re-sent once after a drop at most: a query of death that kills its engine (and the one it is
+    re-sent to, thought to have died of something else) never reaches a third."""
+    url, _ = await proxy(aiohttp_server, ups)
+    for upstream in ups:
+        upstream.default = only_if(b"deadly", dies("reset"))
+    status, body, _ = await ask(url, ups[0], text="deadly")
+    assert status == 502 and "not re-sent" in body.decode(), body
+    assert sorted(u.generations() for u in ups) == [0, 1, 1]
+
+
+async def test_busy_503s_from_the_whole_fleet_feed_one_breaker(aiohttp_server, ups):
+    """vLLM's busy 503 is re-sent (vLLM did not start it), but one request, however many rounds of
+    the fleet it makes, counts one breaker failure: the first upstream's."""
+    url, proxy_ = await proxy(
+        aiohttp_server, ups, retries={"attempts": 6, "backoff_s": 0.01}, breaker={"failures": 2, "cooldown_s": 30}
+    )
+    for upstream in ups:
+        upstream.default = fixed(503, vllm_error(503, BUSY))
+    status, body, _ = await ask(url, ups[0])
+    assert status == 503 and BUSY in body.decode()
+    assert [u.generations() for u in ups] == [2, 2, 2]  # twice round the fleet
+    breakers = [u.breaker for u in proxy_.fleet.upstreams]
+    assert [b.state for b in breakers] == [CLOSED] * 3 and [b.streak for b in breakers] == [1, 0, 0]
+    status, _, _ = await ask(url, ups[1])  # another session's request: its own upstream's failure
+    assert status == 503 and [b.streak for b in breakers] == [1, 1, 0]
