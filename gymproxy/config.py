@@ -11,6 +11,7 @@ through the `environ` argument.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import msgspec.inspect
 import yaml
+from yarl import URL
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -51,12 +53,84 @@ class Timeouts(Settings, frozen=True, kw_only=True):
 
 
 class UpstreamSpec(Settings, frozen=True, kw_only=True):
-    """One upstream in gymproxy's own form (`base_url` lists give each URL the defaults)."""
+    """One upstream in gymproxy's own form (`base_url` lists give each URL the defaults). What makes
+    one usable is `check_upstream`'s, wherever it comes from (the file, DNS, the admin routes)."""
 
     url: str
     name: str | None = None  # what pin cookies carry; defaults to the URL
     api_key: str | None = None  # defaults to the top-level `api_key`
-    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # share of cookie-less sessions
+    weight: float = 1.0  # share of cookie-less sessions, in (0, MAX_WEIGHT]
+
+
+MAX_WEIGHT: Final = 1000.0
+MAX_URL: Final = 1024  # characters; an unnamed upstream's URL is its name, in every pin cookie
+MAX_NAME: Final = 256
+MAX_KEY: Final = 4096
+# A name goes into pin cookies (base64), metrics labels, logs and admin paths: URL characters only.
+_NAME = re.compile(r"[A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=%-]+")
+_HOST = re.compile(r"[A-Za-z0-9_.-]+")  # a DNS name (IDNA already encoded by yarl) or an IPv4 address
+_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII: it goes into an `Authorization` header as it is
+
+
+class BadUpstream(ValueError):
+    """An upstream spec that cannot be used; `field` names its bad key."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_upstream(spec: UpstreamSpec) -> None:
+    """Raise `BadUpstream` unless `spec` can be built into an upstream and is safe to keep: an
+    http(s) URL with a host and a port in 1..65535, a name of URL characters, a key that is one
+    header value, a weight in (0, MAX_WEIGHT]; every length bounded."""
+    _check_url(spec.url)
+    name = spec.name
+    if name is not None and (len(name) > MAX_NAME or not _NAME.fullmatch(name)):
+        raise BadUpstream("name", f"name must be 1 to {MAX_NAME} URL characters (letters, digits, `.-_~:/@%` ...)")
+    check_key(spec.api_key, "api_key")
+    if not 0 < spec.weight <= MAX_WEIGHT:  # a NaN fails too
+        raise BadUpstream("weight", f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {spec.weight!r}")
+
+
+def check_key(key: str | None, field: str) -> None:
+    """An upstream api key (`field` names it): None or "" (none), else one header value, bounded."""
+    if key and (len(key) > MAX_KEY or not _KEY.fullmatch(key)):
+        raise BadUpstream(field, f"{field} must be at most {MAX_KEY} visible ASCII characters (no spaces or controls)")
+
+
+def _check_url(url: str) -> None:
+    if len(url) > MAX_URL:
+        raise BadUpstream("url", f"url is {len(url)} characters; the limit is {MAX_URL}")
+    seen = _without_credentials(url)
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise BadUpstream("url", f"url {seen!r} has a space or a control character")
+    try:  # as `Upstream.configure` takes it apart
+        parsed = URL(url.rstrip("/"))
+        host, port = parsed.raw_host, parsed.explicit_port
+        if parsed.absolute:
+            parsed.with_user(None)
+    except ValueError as exc:
+        raise BadUpstream("url", f"url {seen!r} cannot be used: {exc}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise BadUpstream("url", f"url {seen!r} must start with http:// or https://")
+    if not host:
+        raise BadUpstream("url", f"url {seen!r} has no host")
+    if ":" in host:  # an IPv6 literal, perhaps with a zone (`fe80::1%eth0`)
+        try:
+            ipaddress.IPv6Address(host.partition("%")[0])
+        except ValueError:
+            raise BadUpstream("url", f"url {seen!r}: {host!r} is not an IPv6 address") from None
+    elif not _HOST.fullmatch(host):
+        raise BadUpstream("url", f"url {seen!r}: {host!r} is not a host name or address")
+    if port is not None and not 0 < port < 65536:
+        raise BadUpstream("url", f"url {seen!r}: port {port} is out of range 1..65535")
+
+
+def _without_credentials(url: str) -> str:
+    """`url` for a message, whether or not it parses: no user info, and not too long."""
+    shown = re.sub(r"//[^/?#]*@", "//", url, count=1)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
 class LoadBound(Settings, frozen=True, kw_only=True):
@@ -155,6 +229,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    # Upstreams in the fleet at most, from the file, DNS and the admin routes together (each costs
+    # health checks and pooled connections): more in the file is an error, from DNS a warning, an admin add a 409.
+    max_upstreams: Annotated[int, msgspec.Meta(ge=1)] = 256
 
 
 class Restart(Settings, frozen=True, kw_only=True):
@@ -459,12 +536,25 @@ def _check(config: Config) -> None:
             dns_target(config.upstreams_dns)
         except ValueError as exc:
             raise ConfigError(f"config: upstreams_dns: {exc}") from None
-    names = [spec.name or spec.url for spec in upstream_specs(config)]
+    specs = upstream_specs(config)
+    where = [f"base_url[{i}]" for i in range(len(config.base_url))]
+    where += [f"upstreams[{i}]" for i in range(len(config.upstreams))]
+    for at, spec in zip(where, specs, strict=True):
+        try:
+            check_upstream(spec)
+        except BadUpstream as exc:
+            raise ConfigError(f"config: {at}: {exc}") from None
+    try:
+        check_key(config.api_key, "api_key")
+    except BadUpstream as exc:
+        raise ConfigError(f"config: {exc}") from None
+    names = [spec.name or spec.url for spec in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"config: upstream names must be unique, got {names}")
-    for url in [spec.url for spec in upstream_specs(config)]:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"config: base_url {url!r} must start with http:// or https://")
+    most = config.limits.max_upstreams
+    count = len(specs) if config.launch is None else config.launch.replicas
+    if count > most:
+        raise ConfigError(f"config: {count} upstreams; limits.max_upstreams allows {most}")
     if config.render_chat_template and not config.use_completions_api:
         raise ConfigError("config: `render_chat_template` only applies with `use_completions_api: true`")
     if config.use_completions_api and config.supply_prefix_token_ids:
@@ -683,6 +773,8 @@ def _stand_in(where: str, name: str) -> str:
     key = re.sub(r"\[\d+\]$", "", where).rpartition(".")[2]
     if key in ("base_url", "url"):
         return f"http://{STAND_IN_HOST}/{name}"
+    if key in ("name", "api_key"):  # an upstream's are checked (`check_upstream`): no `${}` there
+        return re.sub(r"[^A-Za-z0-9._-]", "_", name)
     return _SCALAR_STAND_INS.get(key, f"${{{name}}}")
 
 

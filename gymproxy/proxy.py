@@ -58,6 +58,7 @@ class Proxy:
         self.resolve: discovery.Resolve = discovery.resolve  # for `upstreams_dns` (tests inject their own)
         self.discovered: list[UpstreamSpec] = []
         self._dns_failure: str | None = None
+        self._capped: int | None = None  # how many upstreams were wanted when last over the cap
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
 
@@ -87,6 +88,19 @@ class Proxy:
         """Make the fleet what the config, DNS discovery and the admin changes say together."""
         specs = {upstream_name(spec): spec for spec in [*upstream_specs(self.config), *self.discovered]}
         wanted, drained = self.overlay.apply(specs)
+        most = self.config.limits.max_upstreams
+        if len(wanted) > most:
+            if self._capped != len(wanted):  # logged once per new count
+                log.warning(
+                    "%d upstreams wanted (config, upstreams_dns and admin changes): the first %d are used "
+                    "(limits.max_upstreams)",
+                    len(wanted),
+                    most,
+                )
+            self._capped = len(wanted)
+            wanted = wanted[:most]
+        else:
+            self._capped = None
         return self.fleet.update(wanted, drained=drained)
 
     def reload(self, config: Config) -> list[str]:
@@ -116,10 +130,11 @@ class Proxy:
         return later
 
     def change(self, edit: Callable[[Changes], None]) -> Change:
-        """An admin change: recorded in the overlay, applied here, and announced to the other workers."""
+        """An admin change: recorded in the overlay, applied here, and announced to the other workers.
+        One that cannot be applied is not recorded (the caller checked it: this is a backstop)."""
         with self.overlay.editing() as changes:
             edit(changes)
-        change = self.apply()
+            change = self.apply()
         if self.notify is not None:
             self.notify()
         return change

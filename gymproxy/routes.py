@@ -32,7 +32,7 @@ import orjson
 from aiohttp import streams, web
 
 from . import messages, overlay
-from .config import Config, UpstreamSpec
+from .config import BadUpstream, Config, UpstreamSpec, check_upstream
 from .convert.request import to_chat_body
 from .errors import (
     BadRequest,
@@ -48,7 +48,7 @@ from .errors import (
     render,
 )
 from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
-from .fleet import shown, upstream_name
+from .fleet import Upstream, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
 from .proxy import Proxy
@@ -241,11 +241,14 @@ async def add_upstream(proxy: Proxy, request: web.Request, caller: Caller) -> we
         spec = msgspec.json.decode(await read_body(request, proxy.config), type=UpstreamSpec)
     except msgspec.DecodeError as exc:
         raise from_validation(exc) from exc
-    if not spec.url.startswith(("http://", "https://")):
-        raise BadRequest(f"url {shown(spec.url)!r} must start with http:// or https://", param="url")
+    _check_buildable(proxy, spec)
     name = upstream_name(spec)
-    if any(state["name"] == name for state in proxy.fleet.states()):
+    states = proxy.fleet.states()
+    if any(state["name"] == name for state in states):
         raise Conflict(f"an upstream named {name!r} exists already; remove it first", param="name")
+    most = proxy.config.limits.max_upstreams
+    if sum(state["state"] != "removing" for state in states) >= most:
+        raise Conflict(f"the fleet has {most} upstreams, the most limits.max_upstreams allows; remove one first")
     proxy.change(lambda changes: overlay.add(changes, name, spec))
     return _fleet_response(proxy, status=201)
 
@@ -264,6 +267,18 @@ async def remove_upstream(proxy: Proxy, request: web.Request, caller: Caller) ->
     name = _known(proxy, request)
     proxy.change(lambda changes: overlay.remove(changes, name))
     return _fleet_response(proxy)
+
+
+def _check_buildable(proxy: Proxy, spec: UpstreamSpec) -> None:
+    """A 400 naming the field unless `spec` passes `check_upstream` and builds into an upstream as
+    the fleet will build it, so that nothing recorded can fail later, in any worker."""
+    try:
+        check_upstream(spec)
+        Upstream(spec, proxy.fleet.config)
+    except BadUpstream as exc:
+        raise BadRequest(str(exc), param=exc.field) from None
+    except ValueError as exc:
+        raise BadRequest(f"url cannot be used: {exc}", param="url") from None
 
 
 def _allow_changes(proxy: Proxy) -> None:
