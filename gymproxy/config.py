@@ -133,6 +133,16 @@ def _without_credentials(url: str) -> str:
     return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listen address reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class LoadBound(Settings, frozen=True, kw_only=True):
     """Consistent hashing with bounded loads: an upstream takes new sessions while its in-flight count
     is at most `max(share * (1 + epsilon), share + slack)`; pinned sessions leave it only past that
@@ -206,9 +216,10 @@ class Access(Settings, frozen=True, kw_only=True):
     api_keys: list[str] = []  # accepted `Authorization: Bearer <key>` values
     api_keys_file: str | None = None  # one key per line, read at startup ("#" starts a comment)
     admin_port: Port | None = None  # serve /health and /metrics only on this port (`gymproxy serve`)
-    admin_requires_key: bool = False  # /health and /metrics need a key too
+    admin_requires_key: bool = False  # /health and /metrics need a key too (so `api_keys` are needed)
     # POST/DELETE /admin/upstreams change the fleet live; off, they answer 403. They need a key
-    # whenever `api_keys` are configured, whatever `admin_requires_key` says.
+    # whenever `api_keys` are configured, whatever `admin_requires_key` says; with no key, gymproxy
+    # must listen on a loopback address only, or it refuses to start.
     admin_fleet_changes: bool = False
 
 
@@ -478,6 +489,7 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
         keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
         config = msgspec.structs.replace(config, access=access)
+    _check_access(config)
     if config.pinning.secret is None and environ.get(config.pinning.secret_env):
         pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
         config = msgspec.structs.replace(config, pinning=pinning)
@@ -577,6 +589,24 @@ def _check(config: Config) -> None:
             raise ConfigError(
                 f"config: `is_responses_native` forwards /v1/responses unconverted, so {clashes} cannot apply"
             )
+
+
+def _check_access(config: Config) -> None:
+    """Refuse the access settings that would not protect what they seem to (`api_keys` as finally read)."""
+    access = config.access
+    if access.api_keys:
+        return
+    if access.admin_requires_key:
+        raise ConfigError(
+            "config: access.admin_requires_key needs access.api_keys (or access.api_keys_file): "
+            "with no key there is nothing to require; set keys, or drop admin_requires_key"
+        )
+    if access.admin_fleet_changes and not is_loopback(config.host):
+        raise ConfigError(
+            f"config: access.admin_fleet_changes with no access.api_keys would let anyone who reaches "
+            f"{config.host}:{config.port} change the upstreams (and so read every prompt); set access.api_keys "
+            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
+        )
 
 
 def upstream_specs(config: Config) -> list[UpstreamSpec]:

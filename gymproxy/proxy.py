@@ -66,10 +66,11 @@ class Proxy:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
         access = self.config.access
-        if access.admin_fleet_changes and not access.api_keys:
+        if access.admin_fleet_changes and not access.api_keys:  # on a loopback host (config refuses others)
             log.warning(
-                "access.admin_fleet_changes is on and no access.api_keys are set: anyone who reaches "
-                "gymproxy can change its upstreams"
+                "access.admin_fleet_changes is on and no access.api_keys are set: any local process "
+                "that reaches %s can change the upstreams",
+                self.config.host,
             )
         self.overlay.load()
         if self.config.upstreams_dns is not None:

@@ -180,3 +180,23 @@ async def test_oversized_headers_are_refused_cleanly(proxy_url):
     await writer.wait_closed()
     assert line.split()[1] in (b"400", b"431")
     assert (await call(proxy_url, "/health", None))[0] == 200
+
+
+# --- open admin changes, and a fleet that loops back to gymproxy (issue 21: M7 and its lows) ---------
+
+
+async def test_open_admin_changes_on_a_public_host_refuse_to_start(fake_vllm, tmp_path):
+    config = {"base_url": [fake_vllm.url], "host": "0.0.0.0", "access": {"admin_fleet_changes": True}}
+    served = Served(tmp_path, config)
+    served.start()
+    assert await served.wait(20) == 2
+    lines = served.log.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in served.log, served.log
+    assert "access.admin_fleet_changes" in lines[0] and "access.api_keys" in lines[0] and "loopback" in lines[0]
+
+
+async def test_open_admin_changes_on_loopback_start_with_a_warning(fake_vllm, tmp_path):
+    config = {"base_url": [fake_vllm.url], "host": "127.0.0.1", "access": {"admin_fleet_changes": True}}
+    async with Served(tmp_path, config) as served:
+        assert (await call(served.url, "/admin/upstreams", None))[0] == 200
+    assert "any local process that reaches 127.0.0.1 can change the upstreams" in served.log
