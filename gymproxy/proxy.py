@@ -27,7 +27,7 @@ R = TypeVar("R", bound=msgspec.Struct)
 SHUTTING_DOWN = "gymproxy is shutting down"
 # What a reload applies live; any other key it changes is logged as needing a restart.
 LIVE_KEYS = ("base_url", "upstreams", "upstreams_dns", "upstreams_dns_interval_s")
-FIRST_RESOLVE_S = 5.0  # how long startup waits for the first `upstreams_dns` answer
+RESOLVE_TIMEOUT_S = 5.0  # an `upstreams_dns` round without an answer by then (or by the next) has failed
 
 
 def rules(kind: type[R], config: Config) -> R:
@@ -73,11 +73,7 @@ class Proxy:
                 self.config.host,
             )
         self.overlay.load()
-        if self.config.upstreams_dns is not None:
-            try:
-                await asyncio.wait_for(self.discover(), FIRST_RESOLVE_S)
-            except asyncio.TimeoutError:
-                log.warning("upstreams_dns %s: no answer in %g s; retrying", self.config.upstreams_dns, FIRST_RESOLVE_S)
+        await self.discover()  # bounded (RESOLVE_TIMEOUT_S); later rounds retry
         self.apply()
         self._tasks = [
             asyncio.ensure_future(self.fleet.probe()),
@@ -141,44 +137,60 @@ class Proxy:
         return change
 
     async def discover(self) -> None:
-        """Resolve `upstreams_dns` once; on failure keep the last set (logged once per new failure)."""
+        """Resolve `upstreams_dns` once; on failure, or no answer within `RESOLVE_TIMEOUT_S` (or the
+        interval, if shorter), keep the last set (logged once per new failure). A resolution that
+        hangs is cancelled, so the next round starts afresh (a system resolver thread stuck in
+        getaddrinfo stays busy: the executor's size bounds those)."""
         value = self.config.upstreams_dns
         if value is None:
             return
+        timeout = min(RESOLVE_TIMEOUT_S, self.config.upstreams_dns_interval_s)
         try:
             target = dns_target(value)
-            addresses = await self.resolve(target.host, target.port)
+            addresses = await asyncio.wait_for(self.resolve(target.host, target.port), timeout)
             if not addresses:
                 raise ConfigError(f"{target.host} resolved to no address")
+        except asyncio.TimeoutError:  # before OSError: it is one
+            self._dns_failed(value, f"no answer in {timeout:g} s")
+            return
         except (OSError, ValueError, ConfigError) as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-            if failure != self._dns_failure:
-                self._dns_failure = failure
-                log.warning(
-                    "upstreams_dns %s: cannot resolve (%s); keeping the last %d", value, failure, len(self.discovered)
-                )
+            self._dns_failed(value, f"{type(exc).__name__}: {exc}")
             return
         if self._dns_failure is not None:
             self._dns_failure = None
             log.info("upstreams_dns %s resolves again", value)
         self.discovered = discovery.to_specs(target, addresses)
 
+    def _dns_failed(self, value: str, failure: str) -> None:
+        if failure != self._dns_failure:
+            self._dns_failure = failure
+            log.warning(
+                "upstreams_dns %s: cannot resolve (%s); keeping the last %d", value, failure, len(self.discovered)
+            )
+
     async def follow_dns(self) -> None:
-        """Re-resolve `upstreams_dns` every `upstreams_dns_interval_s` and apply what changed."""
+        """Re-resolve `upstreams_dns` every `upstreams_dns_interval_s` and apply what changed; a round
+        that fails in an unforeseen way is logged, and the next one runs."""
         while True:
             await asyncio.sleep(self.config.upstreams_dns_interval_s)
             if self.config.upstreams_dns is None:
                 continue
-            before = self.discovered
-            await self.discover()
-            if self.discovered != before:
-                change = self.apply()
-                log.info(
-                    "upstreams_dns %s: added %s, removed %s",
-                    self.config.upstreams_dns,
-                    change.added or "none",
-                    change.removed or "none",
-                )
+            try:
+                await self._follow_round()
+            except Exception:
+                log.exception("upstreams_dns %s: this round failed; the fleet stays", self.config.upstreams_dns)
+
+    async def _follow_round(self) -> None:
+        before = self.discovered
+        await self.discover()
+        if self.discovered != before:
+            change = self.apply()
+            log.info(
+                "upstreams_dns %s: added %s, removed %s",
+                self.config.upstreams_dns,
+                change.added or "none",
+                change.removed or "none",
+            )
 
     def end_requests(self) -> None:
         """A shutdown's grace is over: every upstream request in progress ends now, and no new one

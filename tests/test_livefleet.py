@@ -375,6 +375,33 @@ async def test_dns_discovery_follows_the_answers_and_keeps_the_last_set_on_failu
     assert proxy.fleet.added == 2 and proxy.fleet.removed == 1  # the first answer's one counts as added
 
 
+async def test_a_dns_resolution_that_never_answers_is_logged_and_following_goes_on(aiohttp_server, caplog):
+    fake = FakeVLLM()
+    port = (await aiohttp_server(fake.app)).port
+    calls = []
+    hang = asyncio.Event()  # never set: a resolver that never answers
+    answer: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        calls.append(host)
+        if not answer:
+            await hang.wait()
+        return answer
+
+    config = {"upstreams_dns": f"http://vllm.example:{port}/v1", "upstreams_dns_interval_s": 0.1}
+    app = create_app(build_config({**config, "base_url": [], "pinning": {"secret": SECRET}}, environ={}))
+    proxy = app[PROXIES][0]
+    proxy.resolve = resolve
+    caplog.set_level(logging.INFO, "gymproxy")
+    await aiohttp_server(app)  # starts even though the first resolution hangs
+    await until(lambda: len(calls) >= 4)  # each round gave up on its hung resolution and the next one ran
+    assert "cannot resolve (no answer in 0.1 s)" in caplog.text
+    assert states(proxy) == {}
+    answer.append("127.0.0.1")
+    await until(lambda: states(proxy).get(f"127.0.0.1:{port}") == "healthy")
+    assert "resolves again" in caplog.text
+
+
 async def test_dns_answers_past_max_upstreams_use_the_first_ones(aiohttp_server, caplog):
     port = (await aiohttp_server(FakeVLLM().app, host="0.0.0.0")).port  # 127.0.0.x all reach it
     addresses = [f"127.0.0.{i}" for i in range(1, 11)]
