@@ -1,11 +1,22 @@
 """One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
-end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time)."""
+end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time).
+
+Every upstream request carries `X-Gymproxy-Hop: <instance id>`; a request that arrives with this
+instance's own id has come back round (an upstream URL that leads to gymproxy itself) and is
+refused at once (`routes.bind`, 508), where it would otherwise multiply until something gave out.
+The id is random per process unless `$GYMPROXY_INSTANCE` gives one: `serve --workers N` sets it for
+its workers, so they are one instance; give every replica behind one Service the same to catch a
+loop through that Service too. Two instances chained on purpose have different ids and pass.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+import re
+import secrets
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -28,6 +39,19 @@ SHUTTING_DOWN = "gymproxy is shutting down"
 # What a reload applies live; any other key it changes is logged as needing a restart.
 LIVE_KEYS = ("base_url", "upstreams", "upstreams_dns", "upstreams_dns_interval_s")
 RESOLVE_TIMEOUT_S = 5.0  # an `upstreams_dns` round without an answer by then (or by the next) has failed
+HOP_HEADER = "X-Gymproxy-Hop"
+INSTANCE_ENV = "GYMPROXY_INSTANCE"
+_INSTANCE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def instance_id(environ: Mapping[str, str] = os.environ) -> str:
+    """This gymproxy's id in `X-Gymproxy-Hop`: `$GYMPROXY_INSTANCE` when it is a sane token, else random."""
+    given = environ.get(INSTANCE_ENV, "")
+    if _INSTANCE.fullmatch(given):
+        return given
+    if given:
+        log.warning("$%s is not 1 to 64 letters, digits, `.`, `_` or `-`: using a random instance id", INSTANCE_ENV)
+    return secrets.token_hex(8)
 
 
 def rules(kind: type[R], config: Config) -> R:
@@ -42,7 +66,10 @@ class Proxy:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.fleet = Fleet(config, self.metrics)
+        self.instance = instance_id()
+        # The hop header is one more header every upstream request carries, prebuilt with the others.
+        hop = {**config.default_headers, HOP_HEADER: self.instance}
+        self.fleet = Fleet(msgspec.structs.replace(config, default_headers=hop), self.metrics)
         self.boundary = boundary.Boundary(rules(boundary.Rules, config))
         self.requests = RequestReader(drop_unknown_fields=config.unknown_fields == "drop")
         self.completions = rules(completions.Rules, config) if config.use_completions_api else None

@@ -13,9 +13,10 @@ GET, POST /admin/upstreams, POST /admin/upstreams/{name}/drain, DELETE /admin/up
                             the fleet listed and changed live (the changes behind a key when any is set)
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
-`bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
-rendered, the response stamped (request id, new pin) and counted. A route's `Dialect` says which
-API's clients call it: where their key may come, and the envelope its errors are rendered in.
+`bind` wraps every route: the loop check (`proxy.HOP_HEADER`), the inbound key check, the request
+id, the pin cookie read once, errors rendered, the response stamped (request id, new pin) and
+counted. A route's `Dialect` says which API's clients call it: where their key may come, and the
+envelope its errors are rendered in.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .errors import (
     Envelope,
     Forbidden,
     Handler,
+    LoopDetected,
     NotFound,
     PayloadTooLarge,
     Unauthorized,
@@ -51,13 +53,14 @@ from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, Completion
 from .fleet import Upstream, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
-from .proxy import Proxy
+from .proxy import HOP_HEADER, Proxy
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
 
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
 TOO_DEEP = "the request body is nested too deeply"
+LOOP = f"this request came back to the gymproxy that sent it ({HOP_HEADER}): an upstream URL leads to gymproxy itself"
 LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -85,6 +88,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
     cookie_name, session_headers = pinning.cookie_name, tuple(pinning.session_headers)
     signer = proxy.fleet.pinner.signer
     clock = time.monotonic
+    instance = proxy.instance
 
     # One coroutine around the route: every await of a request passes through each layer.
     async def served(request: web.Request) -> web.StreamResponse:
@@ -100,6 +104,8 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             signer,
         )
         try:
+            if headers.get(HOP_HEADER) == instance:
+                raise LoopDetected(LOOP)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
             response = await route(proxy, request, caller)
