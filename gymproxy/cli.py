@@ -25,6 +25,7 @@ from . import __version__, launch, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
 from .fleet import shown
 from .peers import Peers
+from .proxy import INSTANCE_ENV
 
 log = logging.getLogger("gymproxy")
 
@@ -108,9 +109,10 @@ def serve_workers(
 
     Pins stay consistent across workers because every worker checks cookies with the same secret:
     without a configured one, this parent makes one for all of them (through the environment, so a
-    config re-read on SIGHUP finds it too). A SIGHUP here is forwarded to every worker; a worker
-    sends one here when an admin route changed the fleet, after writing the change to the overlay
-    file every worker reads (in a private directory that lives as long as this process).
+    config re-read on SIGHUP finds it too), and one instance id (`$GYMPROXY_INSTANCE`, for loop
+    detection). A SIGHUP here is forwarded to every worker; a worker sends one here when an admin
+    route changed the fleet, after writing the change to the overlay file every worker reads (in a
+    private directory that lives as long as this process).
 
     With `launcher`, this parent runs the vLLM replicas (on an event loop it steps while it watches
     the workers), starts the workers once one replica is ready, and stops the replicas after the
@@ -122,6 +124,8 @@ def serve_workers(
         secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
         pinning = msgspec.structs.replace(config.pinning, secret=secret)
         config = msgspec.structs.replace(config, pinning=pinning)
+    # One instance id for all workers, so a request that loops back to any of them is caught (proxy.py).
+    os.environ.setdefault(INSTANCE_ENV, secrets.token_hex(8))
     # The workers' private directory (mode 0700): the admin changes' overlay file, and the socket on
     # which each worker serves its own metrics, so the one a scrape reaches answers for all (peers.py).
     runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))

@@ -11,6 +11,7 @@ through the `environ` argument.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import msgspec.inspect
 import yaml
+from yarl import URL
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -51,12 +53,94 @@ class Timeouts(Settings, frozen=True, kw_only=True):
 
 
 class UpstreamSpec(Settings, frozen=True, kw_only=True):
-    """One upstream in gymproxy's own form (`base_url` lists give each URL the defaults)."""
+    """One upstream in gymproxy's own form (`base_url` lists give each URL the defaults). What makes
+    one usable is `check_upstream`'s, wherever it comes from (the file, DNS, the admin routes)."""
 
     url: str
     name: str | None = None  # what pin cookies carry; defaults to the URL
     api_key: str | None = None  # defaults to the top-level `api_key`
-    weight: Annotated[float, msgspec.Meta(gt=0)] = 1.0  # share of cookie-less sessions
+    weight: float = 1.0  # share of cookie-less sessions, in (0, MAX_WEIGHT]
+
+
+MAX_WEIGHT: Final = 1000.0
+MAX_URL: Final = 1024  # characters; an unnamed upstream's URL is its name, in every pin cookie
+MAX_NAME: Final = 256
+MAX_KEY: Final = 4096
+# A name goes into pin cookies (base64), metrics labels, logs and admin paths: URL characters only.
+_NAME = re.compile(r"[A-Za-z0-9._~:/?#\[\]@!$&'()*+,;=%-]+")
+_HOST = re.compile(r"[A-Za-z0-9_.-]+")  # a DNS name (IDNA already encoded by yarl) or an IPv4 address
+_KEY = re.compile(r"[\x21-\x7e]+")  # visible ASCII: it goes into an `Authorization` header as it is
+
+
+class BadUpstream(ValueError):
+    """An upstream spec that cannot be used; `field` names its bad key."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_upstream(spec: UpstreamSpec) -> None:
+    """Raise `BadUpstream` unless `spec` can be built into an upstream and is safe to keep: an
+    http(s) URL with a host and a port in 1..65535, a name of URL characters, a key that is one
+    header value, a weight in (0, MAX_WEIGHT]; every length bounded."""
+    _check_url(spec.url)
+    name = spec.name
+    if name is not None and (len(name) > MAX_NAME or not _NAME.fullmatch(name)):
+        raise BadUpstream("name", f"name must be 1 to {MAX_NAME} URL characters (letters, digits, `.-_~:/@%` ...)")
+    check_key(spec.api_key, "api_key")
+    if not 0 < spec.weight <= MAX_WEIGHT:  # a NaN fails too
+        raise BadUpstream("weight", f"weight must be above 0 and at most {MAX_WEIGHT:g}, got {spec.weight!r}")
+
+
+def check_key(key: str | None, field: str) -> None:
+    """An upstream api key (`field` names it): None or "" (none), else one header value, bounded."""
+    if key and (len(key) > MAX_KEY or not _KEY.fullmatch(key)):
+        raise BadUpstream(field, f"{field} must be at most {MAX_KEY} visible ASCII characters (no spaces or controls)")
+
+
+def _check_url(url: str) -> None:
+    if len(url) > MAX_URL:
+        raise BadUpstream("url", f"url is {len(url)} characters; the limit is {MAX_URL}")
+    seen = _without_credentials(url)
+    if not url.isprintable() or any(c.isspace() for c in url):
+        raise BadUpstream("url", f"url {seen!r} has a space or a control character")
+    try:  # as `Upstream.configure` takes it apart
+        parsed = URL(url.rstrip("/"))
+        host, port = parsed.raw_host, parsed.explicit_port
+        if parsed.absolute:
+            parsed.with_user(None)
+    except ValueError as exc:
+        raise BadUpstream("url", f"url {seen!r} cannot be used: {exc}") from None
+    if parsed.scheme not in ("http", "https"):
+        raise BadUpstream("url", f"url {seen!r} must start with http:// or https://")
+    if not host:
+        raise BadUpstream("url", f"url {seen!r} has no host")
+    if ":" in host:  # an IPv6 literal, perhaps with a zone (`fe80::1%eth0`)
+        try:
+            ipaddress.IPv6Address(host.partition("%")[0])
+        except ValueError:
+            raise BadUpstream("url", f"url {seen!r}: {host!r} is not an IPv6 address") from None
+    elif not _HOST.fullmatch(host):
+        raise BadUpstream("url", f"url {seen!r}: {host!r} is not a host name or address")
+    if port is not None and not 0 < port < 65536:
+        raise BadUpstream("url", f"url {seen!r}: port {port} is out of range 1..65535")
+
+
+def _without_credentials(url: str) -> str:
+    """`url` for a message, whether or not it parses: no user info, and not too long."""
+    shown = re.sub(r"//[^/?#]*@", "//", url, count=1)
+    return shown if len(shown) <= 200 else shown[:200] + "..."
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class LoadBound(Settings, frozen=True, kw_only=True):
@@ -133,9 +217,10 @@ class Access(Settings, frozen=True, kw_only=True):
     api_keys: list[str] = []  # accepted `Authorization: Bearer <key>` values
     api_keys_file: str | None = None  # one key per line, read at startup ("#" starts a comment)
     admin_port: Port | None = None  # serve /health and /metrics only on this port (`gymproxy serve`)
-    admin_requires_key: bool = False  # /health and /metrics need a key too
+    admin_requires_key: bool = False  # /health and /metrics need a key too (so `api_keys` are needed)
     # POST/DELETE /admin/upstreams change the fleet live; off, they answer 403. They need a key
-    # whenever `api_keys` are configured, whatever `admin_requires_key` says.
+    # whenever `api_keys` are configured, whatever `admin_requires_key` says; with no key, gymproxy
+    # must listen on a loopback address only, or it refuses to start.
     admin_fleet_changes: bool = False
 
 
@@ -161,6 +246,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     max_reply_size: Annotated[int, msgspec.Meta(ge=65536)] = 32 * 1024 * 1024
     # An upstream error reply (status 400 and up; vLLM's are a few hundred bytes): past this, a 502.
     max_error_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
+    # Upstreams in the fleet at most, from the file, DNS and the admin routes together (each costs
+    # health checks and pooled connections): more in the file is an error, from DNS a warning, an admin add a 409.
+    max_upstreams: Annotated[int, msgspec.Meta(ge=1)] = 256
 
 
 class Restart(Settings, frozen=True, kw_only=True):
@@ -407,6 +495,7 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
         keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
         config = msgspec.structs.replace(config, access=access)
+    _check_access(config)
     if config.pinning.secret is None and environ.get(config.pinning.secret_env):
         pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
         config = msgspec.structs.replace(config, pinning=pinning)
@@ -465,12 +554,25 @@ def _check(config: Config) -> None:
             dns_target(config.upstreams_dns)
         except ValueError as exc:
             raise ConfigError(f"config: upstreams_dns: {exc}") from None
-    names = [spec.name or spec.url for spec in upstream_specs(config)]
+    specs = upstream_specs(config)
+    where = [f"base_url[{i}]" for i in range(len(config.base_url))]
+    where += [f"upstreams[{i}]" for i in range(len(config.upstreams))]
+    for at, spec in zip(where, specs, strict=True):
+        try:
+            check_upstream(spec)
+        except BadUpstream as exc:
+            raise ConfigError(f"config: {at}: {exc}") from None
+    try:
+        check_key(config.api_key, "api_key")
+    except BadUpstream as exc:
+        raise ConfigError(f"config: {exc}") from None
+    names = [spec.name or spec.url for spec in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"config: upstream names must be unique, got {names}")
-    for url in [spec.url for spec in upstream_specs(config)]:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"config: base_url {url!r} must start with http:// or https://")
+    most = config.limits.max_upstreams
+    count = len(specs) if config.launch is None else config.launch.replicas
+    if count > most:
+        raise ConfigError(f"config: {count} upstreams; limits.max_upstreams allows {most}")
     if config.render_chat_template and not config.use_completions_api:
         raise ConfigError("config: `render_chat_template` only applies with `use_completions_api: true`")
     if config.use_completions_api and config.supply_prefix_token_ids:
@@ -493,6 +595,24 @@ def _check(config: Config) -> None:
             raise ConfigError(
                 f"config: `is_responses_native` forwards /v1/responses unconverted, so {clashes} cannot apply"
             )
+
+
+def _check_access(config: Config) -> None:
+    """Refuse the access settings that would not protect what they seem to (`api_keys` as finally read)."""
+    access = config.access
+    if access.api_keys:
+        return
+    if access.admin_requires_key:
+        raise ConfigError(
+            "config: access.admin_requires_key needs access.api_keys (or access.api_keys_file): "
+            "with no key there is nothing to require; set keys, or drop admin_requires_key"
+        )
+    if access.admin_fleet_changes and not is_loopback(config.host):
+        raise ConfigError(
+            f"config: access.admin_fleet_changes with no access.api_keys would let anyone who reaches "
+            f"{config.host}:{config.port} change the upstreams (and so read every prompt); set access.api_keys "
+            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
+        )
 
 
 def upstream_specs(config: Config) -> list[UpstreamSpec]:
@@ -689,6 +809,8 @@ def _stand_in(where: str, name: str) -> str:
     key = re.sub(r"\[\d+\]$", "", where).rpartition(".")[2]
     if key in ("base_url", "url"):
         return f"http://{STAND_IN_HOST}/{name}"
+    if key in ("name", "api_key"):  # an upstream's are checked (`check_upstream`): no `${}` there
+        return re.sub(r"[^A-Za-z0-9._-]", "_", name)
     return _SCALAR_STAND_INS.get(key, f"${{{name}}}")
 
 

@@ -11,6 +11,7 @@ GymproxyError                   500 server_error
 ├── Forbidden                   403 invalid_request_error   (refused by config: `access.admin_fleet_changes`)
 ├── NotFound                    404 invalid_request_error   (no such upstream, on the admin routes)
 ├── Conflict                    409 invalid_request_error   (an upstream of that name exists)
+├── LoopDetected                508 server_error            (the request came back to the gymproxy that sent it)
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
 │   ├── NotConnected            502 upstream_error          (the connection never opened: safe to retry)
@@ -129,6 +130,13 @@ class Conflict(GymproxyError):
     status = 409
     type = "invalid_request_error"
     code = "conflict"
+
+
+class LoopDetected(GymproxyError):
+    """The request carries this gymproxy's own hop id: an upstream URL leads back to it (508)."""
+
+    status = 508
+    code = "loop_detected"
 
 
 class UpstreamStatus(GymproxyError):

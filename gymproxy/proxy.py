@@ -1,11 +1,22 @@
 """One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
-end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time)."""
+end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time).
+
+Every upstream request carries `X-Gymproxy-Hop: <instance id>`; a request that arrives with this
+instance's own id has come back round (an upstream URL that leads to gymproxy itself) and is
+refused at once (`routes.bind`, 508), where it would otherwise multiply until something gave out.
+The id is random per process unless `$GYMPROXY_INSTANCE` gives one: `serve --workers N` sets it for
+its workers, so they are one instance; give every replica behind one Service the same to catch a
+loop through that Service too. Two instances chained on purpose have different ids and pass.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+import re
+import secrets
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -27,7 +38,20 @@ R = TypeVar("R", bound=msgspec.Struct)
 SHUTTING_DOWN = "gymproxy is shutting down"
 # What a reload applies live; any other key it changes is logged as needing a restart.
 LIVE_KEYS = ("base_url", "upstreams", "upstreams_dns", "upstreams_dns_interval_s")
-FIRST_RESOLVE_S = 5.0  # how long startup waits for the first `upstreams_dns` answer
+RESOLVE_TIMEOUT_S = 5.0  # an `upstreams_dns` round without an answer by then (or by the next) has failed
+HOP_HEADER = "X-Gymproxy-Hop"
+INSTANCE_ENV = "GYMPROXY_INSTANCE"
+_INSTANCE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def instance_id(environ: Mapping[str, str] = os.environ) -> str:
+    """This gymproxy's id in `X-Gymproxy-Hop`: `$GYMPROXY_INSTANCE` when it is a sane token, else random."""
+    given = environ.get(INSTANCE_ENV, "")
+    if _INSTANCE.fullmatch(given):
+        return given
+    if given:
+        log.warning("$%s is not 1 to 64 letters, digits, `.`, `_` or `-`: using a random instance id", INSTANCE_ENV)
+    return secrets.token_hex(8)
 
 
 def rules(kind: type[R], config: Config) -> R:
@@ -42,7 +66,10 @@ class Proxy:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.fleet = Fleet(config, self.metrics)
+        self.instance = instance_id()
+        # The hop header is one more header every upstream request carries, prebuilt with the others.
+        hop = {**config.default_headers, HOP_HEADER: self.instance}
+        self.fleet = Fleet(msgspec.structs.replace(config, default_headers=hop), self.metrics)
         self.boundary = boundary.Boundary(rules(boundary.Rules, config))
         self.requests = RequestReader(drop_unknown_fields=config.unknown_fields == "drop")
         self.completions = rules(completions.Rules, config) if config.use_completions_api else None
@@ -58,6 +85,7 @@ class Proxy:
         self.resolve: discovery.Resolve = discovery.resolve  # for `upstreams_dns` (tests inject their own)
         self.discovered: list[UpstreamSpec] = []
         self._dns_failure: str | None = None
+        self._capped: int | None = None  # how many upstreams were wanted when last over the cap
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
 
@@ -65,17 +93,14 @@ class Proxy:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
         access = self.config.access
-        if access.admin_fleet_changes and not access.api_keys:
+        if access.admin_fleet_changes and not access.api_keys:  # on a loopback host (config refuses others)
             log.warning(
-                "access.admin_fleet_changes is on and no access.api_keys are set: anyone who reaches "
-                "gymproxy can change its upstreams"
+                "access.admin_fleet_changes is on and no access.api_keys are set: any local process "
+                "that reaches %s can change the upstreams",
+                self.config.host,
             )
         self.overlay.load()
-        if self.config.upstreams_dns is not None:
-            try:
-                await asyncio.wait_for(self.discover(), FIRST_RESOLVE_S)
-            except asyncio.TimeoutError:
-                log.warning("upstreams_dns %s: no answer in %g s; retrying", self.config.upstreams_dns, FIRST_RESOLVE_S)
+        await self.discover()  # bounded (RESOLVE_TIMEOUT_S); later rounds retry
         self.apply()
         self._tasks = [
             asyncio.ensure_future(self.fleet.probe()),
@@ -87,6 +112,19 @@ class Proxy:
         """Make the fleet what the config, DNS discovery and the admin changes say together."""
         specs = {upstream_name(spec): spec for spec in [*upstream_specs(self.config), *self.discovered]}
         wanted, drained = self.overlay.apply(specs)
+        most = self.config.limits.max_upstreams
+        if len(wanted) > most:
+            if self._capped != len(wanted):  # logged once per new count
+                log.warning(
+                    "%d upstreams wanted (config, upstreams_dns and admin changes): the first %d are used "
+                    "(limits.max_upstreams)",
+                    len(wanted),
+                    most,
+                )
+            self._capped = len(wanted)
+            wanted = wanted[:most]
+        else:
+            self._capped = None
         return self.fleet.update(wanted, drained=drained)
 
     def reload(self, config: Config) -> list[str]:
@@ -116,53 +154,70 @@ class Proxy:
         return later
 
     def change(self, edit: Callable[[Changes], None]) -> Change:
-        """An admin change: recorded in the overlay, applied here, and announced to the other workers."""
+        """An admin change: recorded in the overlay, applied here, and announced to the other workers.
+        One that cannot be applied is not recorded (the caller checked it: this is a backstop)."""
         with self.overlay.editing() as changes:
             edit(changes)
-        change = self.apply()
+            change = self.apply()
         if self.notify is not None:
             self.notify()
         return change
 
     async def discover(self) -> None:
-        """Resolve `upstreams_dns` once; on failure keep the last set (logged once per new failure)."""
+        """Resolve `upstreams_dns` once; on failure, or no answer within `RESOLVE_TIMEOUT_S` (or the
+        interval, if shorter), keep the last set (logged once per new failure). A resolution that
+        hangs is cancelled, so the next round starts afresh (a system resolver thread stuck in
+        getaddrinfo stays busy: the executor's size bounds those)."""
         value = self.config.upstreams_dns
         if value is None:
             return
+        timeout = min(RESOLVE_TIMEOUT_S, self.config.upstreams_dns_interval_s)
         try:
             target = dns_target(value)
-            addresses = await self.resolve(target.host, target.port)
+            addresses = await asyncio.wait_for(self.resolve(target.host, target.port), timeout)
             if not addresses:
                 raise ConfigError(f"{target.host} resolved to no address")
+        except asyncio.TimeoutError:  # before OSError: it is one
+            self._dns_failed(value, f"no answer in {timeout:g} s")
+            return
         except (OSError, ValueError, ConfigError) as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-            if failure != self._dns_failure:
-                self._dns_failure = failure
-                log.warning(
-                    "upstreams_dns %s: cannot resolve (%s); keeping the last %d", value, failure, len(self.discovered)
-                )
+            self._dns_failed(value, f"{type(exc).__name__}: {exc}")
             return
         if self._dns_failure is not None:
             self._dns_failure = None
             log.info("upstreams_dns %s resolves again", value)
         self.discovered = discovery.to_specs(target, addresses)
 
+    def _dns_failed(self, value: str, failure: str) -> None:
+        if failure != self._dns_failure:
+            self._dns_failure = failure
+            log.warning(
+                "upstreams_dns %s: cannot resolve (%s); keeping the last %d", value, failure, len(self.discovered)
+            )
+
     async def follow_dns(self) -> None:
-        """Re-resolve `upstreams_dns` every `upstreams_dns_interval_s` and apply what changed."""
+        """Re-resolve `upstreams_dns` every `upstreams_dns_interval_s` and apply what changed; a round
+        that fails in an unforeseen way is logged, and the next one runs."""
         while True:
             await asyncio.sleep(self.config.upstreams_dns_interval_s)
             if self.config.upstreams_dns is None:
                 continue
-            before = self.discovered
-            await self.discover()
-            if self.discovered != before:
-                change = self.apply()
-                log.info(
-                    "upstreams_dns %s: added %s, removed %s",
-                    self.config.upstreams_dns,
-                    change.added or "none",
-                    change.removed or "none",
-                )
+            try:
+                await self._follow_round()
+            except Exception:
+                log.exception("upstreams_dns %s: this round failed; the fleet stays", self.config.upstreams_dns)
+
+    async def _follow_round(self) -> None:
+        before = self.discovered
+        await self.discover()
+        if self.discovered != before:
+            change = self.apply()
+            log.info(
+                "upstreams_dns %s: added %s, removed %s",
+                self.config.upstreams_dns,
+                change.added or "none",
+                change.removed or "none",
+            )
 
     def end_requests(self) -> None:
         """A shutdown's grace is over: every upstream request in progress ends now, and no new one

@@ -13,9 +13,10 @@ GET, POST /admin/upstreams, POST /admin/upstreams/{name}/drain, DELETE /admin/up
                             the fleet listed and changed live (the changes behind a key when any is set)
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
-`bind` wraps every route: the inbound key check, the request id, the pin cookie read once, errors
-rendered, the response stamped (request id, new pin) and counted. A route's `Dialect` says which
-API's clients call it: where their key may come, and the envelope its errors are rendered in.
+`bind` wraps every route: the loop check (`proxy.HOP_HEADER`), the inbound key check, the request
+id, the pin cookie read once, errors rendered, the response stamped (request id, new pin) and
+counted. A route's `Dialect` says which API's clients call it: where their key may come, and the
+envelope its errors are rendered in.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import orjson
 from aiohttp import streams, web
 
 from . import messages, overlay
-from .config import Config, UpstreamSpec
+from .config import BadUpstream, Config, UpstreamSpec, check_upstream
 from .convert.request import to_chat_body
 from .errors import (
     BadRequest,
@@ -41,6 +42,7 @@ from .errors import (
     Envelope,
     Forbidden,
     Handler,
+    LoopDetected,
     NotFound,
     PayloadTooLarge,
     Unauthorized,
@@ -48,16 +50,17 @@ from .errors import (
     render,
 )
 from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
-from .fleet import shown, upstream_name
+from .fleet import Upstream, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
-from .proxy import Proxy
+from .proxy import HOP_HEADER, Proxy
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
 
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
 TOO_DEEP = "the request body is nested too deeply"
+LOOP = f"this request came back to the gymproxy that sent it ({HOP_HEADER}): an upstream URL leads to gymproxy itself"
 LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
@@ -85,6 +88,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
     cookie_name, session_headers = pinning.cookie_name, tuple(pinning.session_headers)
     signer = proxy.fleet.pinner.signer
     clock = time.monotonic
+    instance = proxy.instance
 
     # One coroutine around the route: every await of a request passes through each layer.
     async def served(request: web.Request) -> web.StreamResponse:
@@ -100,6 +104,8 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             signer,
         )
         try:
+            if headers.get(HOP_HEADER) == instance:
+                raise LoopDetected(LOOP)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
             response = await route(proxy, request, caller)
@@ -241,11 +247,14 @@ async def add_upstream(proxy: Proxy, request: web.Request, caller: Caller) -> we
         spec = msgspec.json.decode(await read_body(request, proxy.config), type=UpstreamSpec)
     except msgspec.DecodeError as exc:
         raise from_validation(exc) from exc
-    if not spec.url.startswith(("http://", "https://")):
-        raise BadRequest(f"url {shown(spec.url)!r} must start with http:// or https://", param="url")
+    _check_buildable(proxy, spec)
     name = upstream_name(spec)
-    if any(state["name"] == name for state in proxy.fleet.states()):
+    states = proxy.fleet.states()
+    if any(state["name"] == name for state in states):
         raise Conflict(f"an upstream named {name!r} exists already; remove it first", param="name")
+    most = proxy.config.limits.max_upstreams
+    if sum(state["state"] != "removing" for state in states) >= most:
+        raise Conflict(f"the fleet has {most} upstreams, the most limits.max_upstreams allows; remove one first")
     proxy.change(lambda changes: overlay.add(changes, name, spec))
     return _fleet_response(proxy, status=201)
 
@@ -264,6 +273,18 @@ async def remove_upstream(proxy: Proxy, request: web.Request, caller: Caller) ->
     name = _known(proxy, request)
     proxy.change(lambda changes: overlay.remove(changes, name))
     return _fleet_response(proxy)
+
+
+def _check_buildable(proxy: Proxy, spec: UpstreamSpec) -> None:
+    """A 400 naming the field unless `spec` passes `check_upstream` and builds into an upstream as
+    the fleet will build it, so that nothing recorded can fail later, in any worker."""
+    try:
+        check_upstream(spec)
+        Upstream(spec, proxy.fleet.config)
+    except BadUpstream as exc:
+        raise BadRequest(str(exc), param=exc.field) from None
+    except ValueError as exc:
+        raise BadRequest(f"url cannot be used: {exc}", param="url") from None
 
 
 def _allow_changes(proxy: Proxy) -> None:

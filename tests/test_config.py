@@ -193,6 +193,56 @@ def test_invalid_values(section: dict, needle: str) -> None:
         build_config(section, environ={})
 
 
+@pytest.mark.parametrize(
+    "upstream, needle",
+    [
+        ({"url": "http://127.0.0.1:99999/v1"}, r"upstreams\[0\]: url .*Port out of range"),
+        ({"url": "http://[zz::1]/v1"}, r"upstreams\[0\]: url .*not an IPv6 address"),
+        ({"url": "http:///v1"}, r"upstreams\[0\]: url .*has no host"),
+        ({"url": "file:///etc/passwd"}, r"upstreams\[0\]: url .*must start with http"),
+        ({"url": "http://user:secret@h:0/v1"}, r"upstreams\[0\]: url 'http://h:0/v1': port 0 is out of range"),
+        ({"url": "http://h/v1", "name": "x" * 300}, r"upstreams\[0\]: name must be 1 to 256"),
+        ({"url": "http://h/v1", "name": "a b"}, r"upstreams\[0\]: name"),
+        ({"url": "http://h/v1", "api_key": "k\r\nX: 1"}, r"upstreams\[0\]: api_key"),
+        ({"url": "http://h/v1", "weight": float("nan")}, r"upstreams\[0\]: weight .* got nan"),
+        ({"url": "http://h/v1", "weight": float("inf")}, r"upstreams\[0\]: weight"),
+        ({"url": "http://h/v1", "weight": 1001}, r"upstreams\[0\]: weight must be above 0 and at most 1000"),
+        ({"url": "http://h/v1", "weight": 0}, r"upstreams\[0\]: weight"),
+    ],
+)
+def test_an_upstream_that_cannot_be_built_is_an_error_naming_it(upstream: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as caught:
+        build_config({"upstreams": [upstream]}, environ={})
+    assert "secret" not in str(caught.value)  # a URL's credentials are never shown
+
+
+def test_base_url_and_api_key_are_checked_like_any_upstream() -> None:
+    with pytest.raises(ConfigError, match=r"base_url\[1\]: url .*Port out of range"):
+        build_config({"base_url": ["http://a/v1", "http://b:65536/v1"]}, environ={})
+    with pytest.raises(ConfigError, match="api_key must be at most 4096 visible ASCII"):
+        build_config({"base_url": "http://a/v1", "api_key": "sk\nX-Injected: 1"}, environ={})
+    ok = build_config(
+        {"base_url": ["http://[::1]:8000/v1", "https://vllm-0.vllm.ns.svc:443/v1/"], "api_key": "sk-1"}, environ={}
+    )
+    assert len(ok.base_url) == 2
+
+
+def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_keys(tmp_path: Path) -> None:
+    changes = {"admin_fleet_changes": True}
+    for host in ("0.0.0.0", "::", "10.0.0.5", "vllm-proxy.example"):
+        with pytest.raises(ConfigError, match="admin_fleet_changes with no access.api_keys .* loopback host"):
+            build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
+    keys = tmp_path / "keys"
+    keys.write_text("# the admins\nk1\n")
+    for access in ({"api_keys": ["k"]}, {"api_keys_file": str(keys)}):
+        build_config({"base_url": "http://x/v1", "host": "0.0.0.0", "access": {**changes, **access}}, environ={})
+    with pytest.raises(ConfigError, match="admin_requires_key needs access.api_keys"):
+        build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True}}, environ={})
+    build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True, "api_keys_file": str(keys)}})
+
+
 def test_cli_check_config(tmp_path: Path) -> None:
     good = subprocess.run(
         [
@@ -245,6 +295,13 @@ def test_check_config_lists_placeholders_given_at_serve_time(tmp_path: Path) -> 
     assert "${port}" not in _check_config(str(write(tmp_path, text)), "--set=port=9000").stdout
     bad = _check_config(str(write(tmp_path, text)), "--set=port=many")
     assert bad.returncode == 2 and "port" in bad.stderr
+
+
+def test_check_config_takes_placeholders_in_an_upstreams_checked_keys(tmp_path: Path) -> None:
+    text = "upstreams:\n- {url: '${a_url}', name: '${a_name}', api_key: '${a_key}'}\n"
+    text += "- {url: 'http://b/v1', name: '${b_name}'}\n"
+    checked = _check_config(str(write(tmp_path, text)))
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_check_config_still_refuses_what_is_wrong_beside_placeholders(tmp_path: Path) -> None:

@@ -224,6 +224,104 @@ async def test_admin_routes_need_the_key_and_add_drain_remove(aiohttp_server, fl
             assert [u["name"] for u in (await r.json())["upstreams"]] == [fleet[0].url]
 
 
+# Refused admin changes: each is a 400 naming the field, and nothing is recorded (issue 21, M4).
+BAD_ADDS = [
+    ({"url": "http://127.0.0.1:99999/v1", "name": "bad"}, "url"),
+    ({"url": "http://127.0.0.1:99999/v1"}, "url"),
+    ({"url": "http://[zz::1]/v1", "name": "bad"}, "url"),
+    ({"url": "http:///v1", "name": "bad"}, "url"),
+    ({"url": "file:///etc/passwd"}, "url"),
+    ({"url": "http://127.0.0.1:0/v1", "name": "bad"}, "url"),
+    ({"url": "http://a b/v1", "name": "bad"}, "url"),
+    ({"url": "GOOD", "name": "bad", "api_key": "k\r\nX-Injected: 1"}, "api_key"),
+    ({"url": "GOOD", "name": "bad", "api_key": "k" * 5000}, "api_key"),
+    ({"url": "GOOD", "name": "x" * 100_000}, "name"),
+    ({"url": "GOOD", "name": 'a"b'}, "name"),
+    ({"url": "GOOD", "name": "bad", "weight": 1e300}, "weight"),
+    ({"url": "GOOD", "name": "bad", "weight": -1}, "weight"),
+    ({"url": "GOOD", "name": "bad", "weight": "NaN"}, "weight"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD_ADDS, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_ADDS)])
+async def test_a_bad_admin_change_is_a_400_that_changes_nothing(aiohttp_server, fleet, body, field):
+    url, proxy = await serve(
+        aiohttp_server, base_url=[fleet[0].url], access={"api_keys": [KEY], "admin_fleet_changes": True}
+    )
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {k: fleet[1].url if v == "GOOD" else v for k, v in body.items()}
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session:
+
+        async def listed() -> list[str]:
+            async with session.get(url + "/admin/upstreams", headers=auth) as r:
+                assert r.status == 200
+                return [u["name"] for u in (await r.json())["upstreams"]]
+
+        before = await listed()
+        async with session.post(url + "/admin/upstreams", json=body, headers=auth) as r:
+            assert r.status == 400, await r.text()
+            error = (await r.json())["error"]
+            assert error["param"] == field and error["type"] == "invalid_request_error"
+            assert len(error["message"]) < 400  # a huge value is not echoed back
+        assert await listed() == before and proxy.overlay.changes.added == {}
+        # Fleet management still works: an add, a reload, a removal.
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[2].url, "name": "c"}, headers=auth) as r:
+            assert r.status == 201
+        proxy.reload(build_config({"base_url": [fleet[0].url, fleet[3].url], "pinning": {"secret": SECRET}}))
+        assert await listed() == [fleet[0].url, fleet[3].url, "c"]
+        async with session.delete(url + "/admin/upstreams/c", headers=auth) as r:
+            assert r.status == 200
+
+
+async def test_an_admin_add_past_max_upstreams_is_a_409(aiohttp_server, fleet):
+    url, proxy = await serve(
+        aiohttp_server, base_url=[fleet[0].url], access={"admin_fleet_changes": True}, limits={"max_upstreams": 2}
+    )
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[1].url}) as r:
+            assert r.status == 201
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[2].url}) as r:
+            assert r.status == 409 and "limits.max_upstreams" in (await r.json())["error"]["message"]
+        async with session.delete(url + f"/admin/upstreams/{fleet[1].url}") as r:
+            assert r.status == 200
+        await until(lambda: fleet[1].url not in states(proxy))
+        async with session.post(url + "/admin/upstreams", json={"url": fleet[2].url}) as r:
+            assert r.status == 201
+    assert sorted(states(proxy)) == sorted([fleet[0].url, fleet[2].url])
+
+
+def test_an_overlay_entry_that_cannot_be_built_is_skipped_and_the_rest_applies(tmp_path, caplog):
+    """An overlay file written by an older gymproxy, which recorded a change it then failed to apply."""
+    import msgspec
+
+    path = tmp_path / "fleet.json"
+    good = "http://127.0.0.1:8001/v1"
+    path.write_bytes(
+        msgspec.json.encode(
+            {
+                "added": {
+                    "bad": {"url": "http://127.0.0.1:99999/v1", "name": "bad"},
+                    "worse": {"url": "http://[zz::1]/v1", "name": "worse", "weight": 1e300},
+                    "good": {"url": good, "name": "good"},
+                },
+                "drained": [],
+                "removed": ["http://127.0.0.1:8000/v1"],
+            }
+        )
+    )
+    proxy = Proxy(build_config({"base_url": ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8002/v1"]}, environ={}))
+    proxy.overlay.path = path
+    caplog.set_level(logging.INFO, "gymproxy")
+    proxy.reload(proxy.config)  # what a SIGHUP does
+    assert sorted(u.name for u in proxy.fleet.upstreams) == sorted(["http://127.0.0.1:8002/v1", "good"])
+    assert "upstream 'bad' cannot be used" in caplog.text and "upstream 'worse' cannot be used" in caplog.text
+    # The next change writes the file without them.
+    from gymproxy import overlay
+
+    proxy.change(lambda c: overlay.drain(c, "good"))
+    assert sorted(msgspec.json.decode(path.read_bytes())["added"]) == ["good"]
+
+
 async def test_admin_changes_survive_a_reload(aiohttp_server, fleet):
     _, proxy = await serve(aiohttp_server, base_url=[fleet[0].url, fleet[1].url], access={"admin_fleet_changes": True})
     from gymproxy import overlay
@@ -275,6 +373,59 @@ async def test_dns_discovery_follows_the_answers_and_keeps_the_last_set_on_failu
         assert "resolves again" in caplog.text
         assert (await ask(session, url)).status == 200
     assert proxy.fleet.added == 2 and proxy.fleet.removed == 1  # the first answer's one counts as added
+
+
+async def test_a_dns_resolution_that_never_answers_is_logged_and_following_goes_on(aiohttp_server, caplog):
+    fake = FakeVLLM()
+    port = (await aiohttp_server(fake.app)).port
+    calls = []
+    hang = asyncio.Event()  # never set: a resolver that never answers
+    answer: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        calls.append(host)
+        if not answer:
+            await hang.wait()
+        return answer
+
+    config = {"upstreams_dns": f"http://vllm.example:{port}/v1", "upstreams_dns_interval_s": 0.1}
+    app = create_app(build_config({**config, "base_url": [], "pinning": {"secret": SECRET}}, environ={}))
+    proxy = app[PROXIES][0]
+    proxy.resolve = resolve
+    caplog.set_level(logging.INFO, "gymproxy")
+    await aiohttp_server(app)  # starts even though the first resolution hangs
+    await until(lambda: len(calls) >= 4)  # each round gave up on its hung resolution and the next one ran
+    assert "cannot resolve (no answer in 0.1 s)" in caplog.text
+    assert states(proxy) == {}
+    answer.append("127.0.0.1")
+    await until(lambda: states(proxy).get(f"127.0.0.1:{port}") == "healthy")
+    assert "resolves again" in caplog.text
+
+
+async def test_dns_answers_past_max_upstreams_use_the_first_ones(aiohttp_server, caplog):
+    port = (await aiohttp_server(FakeVLLM().app, host="0.0.0.0")).port  # 127.0.0.x all reach it
+    addresses = [f"127.0.0.{i}" for i in range(1, 11)]
+
+    async def resolve(host: str, port: int) -> list[str]:
+        return addresses
+
+    config = {"upstreams_dns": f"http://vllm.example:{port}/v1", "limits": {"max_upstreams": 4}}
+    app = create_app(build_config({**config, "pinning": {"secret": SECRET}}, environ={}))
+    proxy = app[PROXIES][0]
+    proxy.resolve = resolve
+    caplog.set_level(logging.INFO, "gymproxy")
+    await aiohttp_server(app)
+    assert list(states(proxy)) == [f"{a}:{port}" for a in addresses[:4]]
+    assert caplog.text.count("10 upstreams wanted") == 1
+
+
+def test_upstreams_in_the_file_past_max_upstreams_are_an_error():
+    from gymproxy.config import ConfigError
+
+    urls = [f"http://10.0.0.{i}:8000/v1" for i in range(5)]
+    assert len(build_config({"base_url": urls, "limits": {"max_upstreams": 5}}, environ={}).base_url) == 5
+    with pytest.raises(ConfigError, match="6 upstreams; limits.max_upstreams allows 5"):
+        build_config({"base_url": urls, "upstreams": [{"url": "http://h/v1"}], "limits": {"max_upstreams": 5}})
 
 
 def test_dns_target_forms():
@@ -384,3 +535,48 @@ async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, t
         await until(lambda: served.log.count("fleet reloaded") >= 4)  # two from the admin changes' SIGHUPs too
         await until(lambda: served.log.count(f"upstream {fleet[2].url} added") == 2)
         assert await names_seen() == [sorted(["added", fleet[2].url])] * 12
+
+
+async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_path):
+    """The refused change is not written to the workers' shared overlay: later changes, DELETEs and
+    SIGHUPs still work in both workers (before, every one of them was a 500 from then on)."""
+    import signal
+
+    from .served import Served
+
+    config: dict[str, Any] = {
+        "base_url": [fleet[0].url],
+        "pinning": {"secret": SECRET},
+        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
+    }
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def names_seen() -> list[list[str]]:
+        """What each of 12 new connections (spread over the workers by the kernel) lists."""
+        seen = []
+        for _ in range(12):
+            async with aiohttp.ClientSession() as fresh, fresh.get(served.url + "/admin/upstreams", headers=auth) as r:
+                seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
+        return seen
+
+    async with Served(tmp_path, config, "--workers", "2") as served:
+        await until(lambda: served.log.count(" listening on http://") == 2, 20)
+        async with aiohttp.ClientSession() as session:
+            for bad in ("http://127.0.0.1:99999/v1", "http://[zz::1]/v1", "http:///v1"):
+                body = {"url": bad, "name": "bad"}
+                async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "url"
+            body = {"url": fleet[1].url, "name": "added"}
+            async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
+                assert r.status == 201
+        await until(lambda: served.log.count(" added: ") == 2)  # once in each worker
+        assert await names_seen() == [sorted([fleet[0].url, "added"])] * 12
+        assert served.process is not None
+        served.process.send_signal(signal.SIGHUP)
+        await until(lambda: served.log.count("fleet reloaded") >= 4)  # the admin change's SIGHUP, then this one
+        async with aiohttp.ClientSession() as session:
+            async with session.delete(served.url + "/admin/upstreams/added", headers=auth) as r:
+                assert r.status == 200
+        await until(lambda: served.log.count(" drained and forgotten") == 2)
+        assert await names_seen() == [[fleet[0].url]] * 12
+    assert "Exception in callback" not in served.log and "Traceback" not in served.log

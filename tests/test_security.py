@@ -11,7 +11,7 @@ import pytest
 
 from gymproxy.testing.fake_vllm import Script
 
-from .served import Served
+from .served import Served, free_port
 
 SECRET_KEY = "sk-UPSTREAM-SECRET-123"
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -133,6 +133,7 @@ async def test_client_headers_are_not_forwarded(start_proxy, fake_vllm):
         "content-length",
         "x-request-id",
         "x-session-id",  # gymproxy's own: the session's id (never a client's header as it came)
+        "x-gymproxy-hop",  # gymproxy's own: its instance id, for loop detection
         "accept",
         "accept-encoding",
         "user-agent",
@@ -180,3 +181,58 @@ async def test_oversized_headers_are_refused_cleanly(proxy_url):
     await writer.wait_closed()
     assert line.split()[1] in (b"400", b"431")
     assert (await call(proxy_url, "/health", None))[0] == 200
+
+
+# --- open admin changes, and a fleet that loops back to gymproxy (issue 21: M7 and its lows) ---------
+
+
+async def test_open_admin_changes_on_a_public_host_refuse_to_start(fake_vllm, tmp_path):
+    config = {"base_url": [fake_vllm.url], "host": "0.0.0.0", "access": {"admin_fleet_changes": True}}
+    served = Served(tmp_path, config)
+    served.start()
+    assert await served.wait(20) == 2
+    lines = served.log.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in served.log, served.log
+    assert "access.admin_fleet_changes" in lines[0] and "access.api_keys" in lines[0] and "loopback" in lines[0]
+
+
+async def test_open_admin_changes_on_loopback_start_with_a_warning(fake_vllm, tmp_path):
+    config = {"base_url": [fake_vllm.url], "host": "127.0.0.1", "access": {"admin_fleet_changes": True}}
+    async with Served(tmp_path, config) as served:
+        assert (await call(served.url, "/admin/upstreams", None))[0] == 200
+    assert "any local process that reaches 127.0.0.1 can change the upstreams" in served.log
+
+
+async def test_an_upstream_that_is_gymproxy_itself_ends_in_one_508(tmp_path):
+    """Its own address as an upstream: each request is refused on its first way back in, and the
+    health checks (which carry the hop header too) mark that upstream down. With two workers the
+    request may come back to the other one: they share the instance id."""
+    port = free_port()
+    config = {"port": port, "base_url": [f"http://127.0.0.1:{port}/v1"], "health": {"interval": 3600}}
+    async with Served(tmp_path, config, "--workers", "2") as served:
+        await until_logged(served, " listening on http://", 2)
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), timeout=timeout) as session:
+            for _ in range(3):
+                async with session.post(served.url + "/v1/chat/completions", json=CHAT) as r:
+                    assert r.status == 508, await r.text()
+            async with session.get(served.url + "/metrics") as r:
+                metrics = await r.text()
+    chat = [line for line in metrics.splitlines() if line.startswith('gymproxy_requests_total{route="/v1/chat')]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in chat) == 6, chat  # 3 from the client, 3 back round
+
+
+async def test_two_gymproxies_chained_on_purpose_still_work(fake_vllm, tmp_path):
+    async with Served(tmp_path, {"base_url": [fake_vllm.url]}) as inner:
+        async with Served(tmp_path, {"base_url": [inner.url + "/v1"]}) as outer:
+            for _ in range(3):
+                assert (await call(outer.url))[0] == 200
+    assert len([r for r in fake_vllm.requests if r.path == "/v1/chat/completions"]) == 3
+
+
+async def until_logged(served: Served, text: str, count: int) -> None:
+    for _ in range(400):
+        if served.log.count(text) >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} not logged {count} times:\n{served.log[-3000:]}")
