@@ -136,6 +136,8 @@ class Access(Settings, frozen=True, kw_only=True):
     # POST/DELETE /admin/upstreams change the fleet live; off, they answer 403. They need a key
     # whenever `api_keys` are configured, whatever `admin_requires_key` says.
     admin_fleet_changes: bool = False
+    # `gymproxy serve`: open connections to `admin_port` past this get a 503 (idle ones make room first).
+    admin_max_connections: Annotated[int, msgspec.Meta(ge=1)] = 64
 
 
 class Limits(Settings, frozen=True, kw_only=True):

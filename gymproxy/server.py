@@ -5,7 +5,8 @@ its handler), behind a listener of gymproxy's own (`listener.py`): a deep accept
 (`limits.backlog`) for connection storms, a deadline for request heads, and a cap on open client
 connections (`limits.max_client_connections`) that idle or stalled connections make room under and
 past which a new connection is answered 503 at once, so stalled or abandoned clients cannot take the
-file descriptors that upstream connections and health checks need. On SIGTERM or SIGINT the
+file descriptors that upstream connections and health checks need. `access.admin_port` is served
+the same way, with its own cap (`access.admin_max_connections`). On SIGTERM or SIGINT the
 listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
 ended (streams with their terminal event; `plugin.setup` keeps the grace). A plugin leaves the
 listener and the process to its host app. With `launch` (a `launch.Launcher`), the vLLM replicas
@@ -42,6 +43,7 @@ log = logging.getLogger("gymproxy")
 BACKSTOP_S = 5.0
 # A young-generation collection runs once this many more container objects were made than freed.
 GC_THRESHOLD = 20_000
+ADMIN_BACKLOG = 128  # the admin port's listen backlog (aiohttp's default)
 
 
 def run(
@@ -243,7 +245,8 @@ def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[],
 
 def connection_limit(config: Config) -> int:
     """`limits.max_client_connections`, or half the open-file limit: every client connection may
-    need an upstream connection too, and health checks and logs need a few more."""
+    need an upstream connection too, and health checks and logs need a few more (and the admin
+    port's connections, when it has one)."""
     if config.limits.max_client_connections is not None:
         return config.limits.max_client_connections
     try:
@@ -253,7 +256,8 @@ def connection_limit(config: Config) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
-    return max(64, (soft - 128) // 2)
+    admin = 0 if config.access.admin_port is None else config.access.admin_max_connections
+    return max(64, (soft - 128 - admin) // 2)
 
 
 def raise_open_files(target: int) -> None:
@@ -312,14 +316,29 @@ def new_loop() -> asyncio.AbstractEventLoop:
 
 
 def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.Application], AsyncIterator[None]]:
+    """`access.admin_port`, behind a listener like the main port's, with its own cap."""
+
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
-        runner = web.AppRunner(admin_app(proxy), access_log=None)
+        runner = _runner(admin_app(proxy), config, None, BACKSTOP_S)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.access.admin_port, reuse_port=reuse_port or None)
-        await site.start()
-        log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
+        assert runner.server is not None
+        limits = config.limits
+        cap = ConnectionCap(
+            runner.server,
+            config.access.admin_max_connections,
+            header_timeout=limits.client_header_timeout,
+            setting="access.admin_max_connections",
+            what="connections to the admin port",
+        )
+        port = config.access.admin_port
+        listener = await asyncio.get_running_loop().create_server(
+            cap.protocol, config.host, port, backlog=ADMIN_BACKLOG, reuse_port=reuse_port or None
+        )
+        log.info("/health and /metrics on http://%s:%d (at most %d connections)", config.host, port, cap.limit)
         yield
+        listener.close()
         await runner.cleanup()
+        cap.close()
 
     return lifetime
 

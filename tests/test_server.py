@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gymproxy.listener import QUIET_S
+from gymproxy.listener import QUIET_S, REFUSED_LINGER_S
 from gymproxy.testing.fake_vllm import Script
 
 from .faults import eventually, sse_data
@@ -373,21 +373,62 @@ async def test_the_listen_backlog_is_the_setting(fake_vllm, tmp_path, backlog):
     assert int(lines.split()[2]) == min(backlog or 4096, somaxconn), lines
 
 
+async def _admin_up(session: aiohttp.ClientSession, admin: int) -> None:
+    for _ in range(100):  # the admin site starts with the app, just after the main listener
+        try:
+            async with session.get(f"http://127.0.0.1:{admin}/health") as response:
+                assert response.status == 200
+                return
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the admin port did not answer")
+
+
 async def test_health_and_metrics_on_the_admin_port_only(fake_vllm, tmp_path):
     admin = free_port()
     async with Served(tmp_path, {"base_url": fake_vllm.url, "access": {"admin_port": admin}}) as served:
         async with aiohttp.ClientSession() as session:
-            for _ in range(100):  # the admin site starts with the app, just after the main listener
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/health") as response:
-                        assert response.status == 200
-                        break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
+            await _admin_up(session, admin)
             async with session.get(f"http://127.0.0.1:{admin}/metrics") as response:
                 assert response.status == 200 and "gymproxy_requests_total" in await response.text()
             async with session.get(served.url + "/health") as response:
                 assert response.status == 404
+
+
+async def test_the_admin_port_is_capped_and_idle_connections_cannot_hold_it(fake_vllm, tmp_path):
+    """`access.admin_port` is kept as the main port is, with a cap of its own (64): 300 connections
+    to it that send nothing leave the process within its 256 files, and both ports keep answering
+    (it kept each for an hour: 1,024 of them used every file and the main port stopped answering)."""
+    admin = free_port()
+    config = {"base_url": fake_vllm.url, "access": {"admin_port": admin}}
+    async with Served(tmp_path, config, open_files=256) as served:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await _admin_up(session, admin)
+            before = (await served.stats())["fds"]
+            held = []
+            try:
+                for _ in range(300):
+                    try:
+                        held.append(await asyncio.wait_for(asyncio.open_connection("127.0.0.1", admin), 2))
+                    except (OSError, asyncio.TimeoutError):
+                        break  # the listen backlog is full: the process has stopped accepting
+                assert len(held) == 300, served.log[-2000:]
+                assert await eventually(lambda: "refusing more with 503" in served.log)  # the 64 are in
+                await asyncio.sleep(max(QUIET_S, REFUSED_LINGER_S) + 0.3)  # quiet; the refused ones closed
+                during = (await served.stats())["fds"]
+                async with session.get(f"http://127.0.0.1:{admin}/health") as response:  # makes room
+                    assert response.status == 200, served.log[-3000:]
+                async with session.post(served.url + "/v1/responses", json={"model": "m", "input": "hi"}) as response:
+                    assert response.status == 200
+                replies = await asyncio.gather(*(_read_for(reader, 1.0) for reader, _ in held))
+            finally:
+                for _, writer in held:
+                    writer.close()
+    assert during <= before + 64 + 8, (before, during)
+    refused = sum(reply is not None and reply.startswith(b"HTTP/1.1 503 ") for reply in replies)
+    assert refused == 300 - 64, refused  # and 63 still open, one closed for the new client
+    assert replies.count(b"") == 1 and replies.count(None) == 63, replies
+    assert served.log.count("connections to the admin port open: refusing more with 503") == 1
 
 
 async def test_workers_finish_their_streams_on_sigterm(fake_vllm, tmp_path):
