@@ -8,9 +8,9 @@ Each connection is, at any time, one of:
 - busy: its handler runs (a request in progress);
 - idle: between requests (kept alive), or dropping what is left of a body its handler did not read.
 
-They are learnt from the bytes as they arrive (`_Counted`) and from the app's handler as it starts
-and returns (a wrapper around `web.Server.request_handler`), and kept in one insertion-ordered dict
-per state, oldest first, so that finding the oldest costs the same with ten connections or ten
+They are learnt from the bytes as they arrive (`_Counted`), from aiohttp making each request (the
+`web.Server`'s request factory) and from the app's handler returning, and kept in one
+insertion-ordered dict per state, oldest first, so that finding the oldest costs the same with ten connections or ten
 thousand. Past the cap, a new connection takes the place of (`ConnectionCap.make_room`), in this
 order: the connection idle longest (for `QUIET_S` at least), the oldest incomplete head, the oldest
 fresh connection (silent for `QUIET_S`), a request body stalled for `STALLED_S`; failing all of
@@ -49,6 +49,7 @@ NOTICE_S = 60.0  # each kind of warning about the cap is logged at most this oft
 IDLE, FRESH, HEAD, DRAINING, BUSY, GONE = range(6)
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Factory = Callable[[Any, Any, Any, Any, Any], web.BaseRequest]
 EndStalled = Callable[[float], bool]  # ends (408) a request body stalled that long, if there is one
 
 
@@ -109,7 +110,8 @@ class ConnectionCap:
             error_type="invalid_request_error",
             code="request_timeout",
         )
-        # Each connection's handler (aiohttp's RequestHandler) takes the app's from the Server when made.
+        # Each connection's RequestHandler takes these two from the Server when it is made.
+        server.request_factory = self._starting(server.request_factory)
         server.request_handler = self._observed(server.request_handler)
 
     def protocol(self) -> asyncio.Protocol:
@@ -179,23 +181,34 @@ class ConnectionCap:
         del self._of[conn.inner]
         self.open -= 1
 
+    def _starting(self, factory: Factory) -> Factory:
+        """aiohttp's request factory, which it calls as a request's handling begins (before the
+        handler's task first runs): the connection has a request in progress from then on."""
+        of, heads = self._of, self.heads
+
+        def starting(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            conn = of.get(protocol)
+            if conn is not None:
+                if conn.state == HEAD:
+                    heads.pop(conn, None)
+                    conn.state = BUSY
+                elif conn.state != GONE:  # a pipelined request, whose head came while the one before it ran
+                    self._leave(conn)
+                    conn.state = BUSY
+            return factory(message, payload, protocol, writer, task)
+
+        return starting
+
     def _observed(self, handler: Handler) -> Handler:
-        """The app's handler, telling the connection's state when a request starts and ends."""
-        of, heads, idle, loop = self._of, self.heads, self.idle, self.loop
+        """The app's handler: when it returns, its connection is idle (or drops what is left of the body)."""
+        of, idle, loop = self._of, self.idle, self.loop
 
         async def observed(request: web.BaseRequest) -> web.StreamResponse:
-            conn = of.get(request.protocol)
-            if conn is None or conn.state == GONE:
-                return await handler(request)
-            if conn.state == HEAD:
-                heads.pop(conn, None)
-            else:  # a pipelined request, whose head came while the one before it ran
-                self._leave(conn)
-            conn.state = BUSY
             try:
                 return await handler(request)
             finally:
-                if conn.state == BUSY:  # not closed meanwhile: idle, or dropping the body left unread
+                conn = of.get(request.protocol)
+                if conn is not None and conn.state == BUSY:  # still open
                     conn.since = conn.last = loop.time()
                     if request.content.is_eof():
                         conn.state = IDLE
