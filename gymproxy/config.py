@@ -152,8 +152,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     # `gymproxy serve`: a client connection idle between requests is closed after this (aiohttp's
     # keep-alive timeout; web.run_app's default). A request head has `client_header_timeout`.
     client_keepalive_timeout: Seconds = 75.0
-    # `gymproxy serve`: client connections past this get a 503 at once (None: half the open-file limit,
-    # so upstream connections and health checks always have file descriptors left).
+    # `gymproxy serve`: a client connection past this takes the place of an idle or stalled one, else
+    # gets a 503 at once (None: half the open-file limit, so upstream connections and health checks
+    # always have file descriptors left).
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096

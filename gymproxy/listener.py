@@ -10,11 +10,12 @@ Each connection is, at any time, one of:
 
 They are learnt from the bytes as they arrive (`_Counted`), from aiohttp making each request (the
 `web.Server`'s request factory) and from the app's handler returning, and kept in one
-insertion-ordered dict per state, oldest first, so that finding the oldest costs the same with ten connections or ten
-thousand. Past the cap, a new connection takes the place of (`ConnectionCap.make_room`), in this
-order: the connection idle longest (for `QUIET_S` at least), the oldest incomplete head, the oldest
-fresh connection (silent for `QUIET_S`), a request body stalled for `STALLED_S`; failing all of
-them it is answered 503 at once. A busy connection is never closed to make room, and none is whose
+insertion-ordered dict per state, oldest first, so that finding the oldest costs the same with ten
+connections or ten thousand. Past the cap, a new connection takes the place of
+(`ConnectionCap.make_room`), in this order: the connection idle longest (for `QUIET_S` at least),
+the oldest incomplete head (none of whose bytes came in this turn of the loop), the oldest fresh
+connection (silent for `QUIET_S`), a request body stalled for `STALLED_S`; failing all of them it
+is answered 503 at once. A busy connection is never closed to make room, and none is whose
 next bytes wait unread in the kernel. A head gets `header_timeout` seconds from its first byte (a
 fresh connection: from its accept) to arrive whole, or it is answered 408 and closed (nginx's
 `client_header_timeout`); one timer per listener, set for the oldest deadline, keeps that.

@@ -140,10 +140,8 @@ async def _serve_app(
     runner = _runner(app, config, access_log, config.shutdown_grace_s + BACKSTOP_S)
     await runner.setup()
     assert runner.server is not None
-    limit = connection_limit(config)
-    cap = ConnectionCap(
-        runner.server, limit, header_timeout=config.limits.client_header_timeout, end_stalled=end_stalled_body
-    )
+    timeout = config.limits.client_header_timeout
+    cap = ConnectionCap(runner.server, connection_limit(config), header_timeout=timeout, end_stalled=end_stalled_body)
     listener = await loop.create_server(
         cap.protocol, config.host, config.port, backlog=config.limits.backlog, reuse_port=reuse_port or None
     )
@@ -322,11 +320,10 @@ def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.A
         runner = _runner(admin_app(proxy), config, None, BACKSTOP_S)
         await runner.setup()
         assert runner.server is not None
-        limits = config.limits
         cap = ConnectionCap(
             runner.server,
             config.access.admin_max_connections,
-            header_timeout=limits.client_header_timeout,
+            header_timeout=config.limits.client_header_timeout,
             setting="access.admin_max_connections",
             what="connections to the admin port",
         )
