@@ -222,6 +222,8 @@ class Access(Settings, frozen=True, kw_only=True):
     # whenever `api_keys` are configured, whatever `admin_requires_key` says; with no key, gymproxy
     # must listen on a loopback address only, or it refuses to start.
     admin_fleet_changes: bool = False
+    # `gymproxy serve`: open connections to `admin_port` past this get a 503 (idle ones make room first).
+    admin_max_connections: Annotated[int, msgspec.Meta(ge=1)] = 64
 
 
 class Limits(Settings, frozen=True, kw_only=True):
@@ -233,11 +235,12 @@ class Limits(Settings, frozen=True, kw_only=True):
     open_files: Annotated[int, msgspec.Meta(ge=0)] = 65536  # raise `ulimit -n` to this at startup
     # A request body that stops arriving for this long is refused with a 408 (nginx's client_body_timeout).
     client_body_timeout: Seconds = 60.0
-    # `gymproxy serve`: an idle client connection, or one whose request head has not arrived, is closed
-    # after this (aiohttp's keep-alive timeout; web.run_app's default).
+    # `gymproxy serve`: a client connection idle between requests is closed after this (aiohttp's
+    # keep-alive timeout; web.run_app's default). A request head has `client_header_timeout`.
     client_keepalive_timeout: Seconds = 75.0
-    # `gymproxy serve`: client connections past this get a 503 at once (None: half the open-file limit,
-    # so upstream connections and health checks always have file descriptors left).
+    # `gymproxy serve`: a client connection past this takes the place of an idle or stalled one, else
+    # gets a 503 at once (None: half the open-file limit, so upstream connections and health checks
+    # always have file descriptors left).
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
@@ -249,6 +252,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     # Upstreams in the fleet at most, from the file, DNS and the admin routes together (each costs
     # health checks and pooled connections): more in the file is an error, from DNS a warning, an admin add a 409.
     max_upstreams: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # `gymproxy serve`: a request head not whole this long after its first byte (or after the accept,
+    # for a connection's first request) gets a 408 and the connection is closed (nginx's client_header_timeout).
+    client_header_timeout: Seconds = 10.0
 
 
 class Restart(Settings, frozen=True, kw_only=True):

@@ -389,12 +389,13 @@ class _BodyWatch:
     """Fails a body read once no byte arrived for `timeout` seconds (like nginx's
     `client_body_timeout`, an idle timeout, not a limit on the whole upload).
 
-    The watches of the bodies being read are kept in arrival order, so that a listener at its cap
-    on connections can end the longest-stalled one (`end_stalled_body`) instead of refusing a client.
+    The watches of the bodies being read are kept in the order their bytes were last seen to arrive
+    (as of each one's last check), so that a listener at its cap on connections can end the
+    longest-stalled one (`end_stalled_body`) instead of refusing a client, looking at a few only.
     """
 
     __slots__ = ("content", "timeout", "seen", "since", "timer")
-    waiting: dict[_BodyWatch, None] = {}  # this process's bodies being read, oldest first
+    waiting: dict[_BodyWatch, None] = {}  # this process's bodies being read, silent longest first
 
     def __init__(self, content: streams.StreamReader, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -406,13 +407,20 @@ class _BodyWatch:
         _BodyWatch.waiting[self] = None
 
     def _check(self) -> None:
-        if self.content.total_bytes != self.seen:  # bytes came: wait another `timeout`
-            loop = asyncio.get_running_loop()
-            self.seen = self.content.total_bytes
-            self.since = loop.time()
-            self.timer = loop.call_later(self.timeout, self._check)
+        if self.moved():  # bytes came: wait another `timeout`
+            self.timer = asyncio.get_running_loop().call_later(self.timeout, self._check)
             return
         self.expire(f"the request body stopped arriving for {self.timeout:g} s (limits.client_body_timeout)")
+
+    def moved(self) -> bool:
+        """Whether bytes came since the last look; if so, it goes to the back of `waiting`."""
+        if self.content.total_bytes == self.seen:
+            return False
+        self.seen = self.content.total_bytes
+        self.since = asyncio.get_running_loop().time()
+        del _BodyWatch.waiting[self]
+        _BodyWatch.waiting[self] = None
+        return True
 
     def expire(self, message: str) -> None:
         self.timer.cancel()
@@ -430,13 +438,22 @@ def end_waiting_bodies() -> None:
         watch.expire("gymproxy is shutting down and the request body had not arrived")
 
 
-def end_stalled_body(idle: float) -> bool:
-    """End (408) the body read that has waited longest with no byte for at least `idle` seconds."""
+def end_stalled_body(idle: float, looks: int = 4) -> bool:
+    """End (408) the body read that has waited longest with no byte for at least `idle` seconds.
+    Bodies still arriving are moved back as they are met, at most `looks` of them: the cost per call
+    is bounded however many bodies are being read."""
+    waiting = _BodyWatch.waiting
     now = asyncio.get_running_loop().time()
-    for watch in _BodyWatch.waiting:
-        if watch.content.total_bytes == watch.seen and now - watch.since >= idle:
-            watch.expire("the request body stalled while gymproxy was at its limit of client connections")
-            return True
+    for _ in range(looks):
+        if not waiting:
+            return False
+        watch = next(iter(waiting))
+        if watch.moved():
+            continue
+        if now - watch.since < idle:  # the one silent longest is not silent long enough
+            return False
+        watch.expire("the request body stalled while gymproxy was at its limit of client connections")
+        return True
     return False
 
 

@@ -1,10 +1,12 @@
 """`gymproxy serve`'s process: the listening socket and its connection cap, signals, and the drain.
 
 The app runs on aiohttp's `AppRunner` with `handler_cancellation=True` (a client that leaves cancels
-its handler), behind a listener of gymproxy's own: a deep accept backlog (`limits.backlog`) for
-connection storms, and a cap on open client connections (`limits.max_client_connections`) past
-which a new connection is answered 503 at once, so stalled or abandoned clients cannot take the
-file descriptors that upstream connections and health checks need. On SIGTERM or SIGINT the
+its handler), behind a listener of gymproxy's own (`listener.py`): a deep accept backlog
+(`limits.backlog`) for connection storms, a deadline for request heads, and a cap on open client
+connections (`limits.max_client_connections`) that idle or stalled connections make room under and
+past which a new connection is answered 503 at once, so stalled or abandoned clients cannot take the
+file descriptors that upstream connections and health checks need. `access.admin_port` is served
+the same way, with its own cap (`access.admin_max_connections`). On SIGTERM or SIGINT the
 listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
 ended (streams with their terminal event; `plugin.setup` keeps the grace). A plugin leaves the
 listener and the process to its host app. With `launch` (a `launch.Launcher`), the vLLM replicas
@@ -29,6 +31,7 @@ from . import __version__
 from .config import Config, ConfigError
 from .errors import quiet_malformed_requests
 from .launch import Launcher
+from .listener import ConnectionCap
 from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
 from .proxy import Proxy
@@ -39,19 +42,9 @@ log = logging.getLogger("gymproxy")
 # aiohttp's own backstop after the grace: a handler still running then (one stuck writing to a
 # client that reads nothing) is cancelled.
 BACKSTOP_S = 5.0
-REFUSED_LINGER_S = 1.0  # how long a refused connection is read (and discarded) before it is closed
-# At the cap, a request body silent this long is ended (408) to make room for a new connection.
-STALLED_S = 1.0
 # A young-generation collection runs once this many more container objects were made than freed.
 GC_THRESHOLD = 20_000
-_REFUSAL = (
-    b'{"error":{"message":"gymproxy is at its limit of open client connections (limits.max_client_connections)",'
-    b'"type":"upstream_error","param":null,"code":null}}'
-)
-REFUSED = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL)
-)
+ADMIN_BACKLOG = 128  # the admin port's listen backlog (aiohttp's default)
 
 
 def run(
@@ -146,16 +139,11 @@ async def _serve_app(
     elif replicas is not None:
         follow_file(replicas, proxy)
     access_log = logging.getLogger("aiohttp.access") if config.access_log else None
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=access_log,
-        keepalive_timeout=config.limits.client_keepalive_timeout,  # AppRunner alone keeps them an hour
-        shutdown_timeout=config.shutdown_grace_s + BACKSTOP_S,
-    )
+    runner = _runner(app, config, access_log, config.shutdown_grace_s + BACKSTOP_S)
     await runner.setup()
     assert runner.server is not None
-    cap = ConnectionCap(runner.server, connection_limit(config))
+    timeout = config.limits.client_header_timeout
+    cap = ConnectionCap(runner.server, connection_limit(config), header_timeout=timeout, end_stalled=end_stalled_body)
     listener = await loop.create_server(
         cap.protocol, config.host, config.port, backlog=config.limits.backlog, reuse_port=reuse_port or None
     )
@@ -179,6 +167,18 @@ async def _serve_app(
             launcher.hold()  # a replica that exits during the drain stays down
         listener.close()
         await runner.cleanup()  # app.on_shutdown starts the grace (plugin.setup), then waits for handlers
+        cap.close()
+
+
+def _runner(app: web.Application, config: Config, access_log: logging.Logger | None, shutdown: float) -> web.AppRunner:
+    """`app`'s runner, as `gymproxy serve` runs it (its listener is `ConnectionCap`'s: see `listener.py`)."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=access_log,
+        keepalive_timeout=config.limits.client_keepalive_timeout,  # AppRunner alone keeps them an hour
+        shutdown_timeout=shutdown,
+    )
 
 
 def follow(launcher: Launcher, proxy: Proxy) -> None:
@@ -243,89 +243,10 @@ def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[],
     return hup
 
 
-class ConnectionCap:
-    """Counts open client connections; past `limit`, a new one is answered 503 and closed, unless a
-    connection whose request body has stalled can be ended (408) to make room for it."""
-
-    def __init__(self, server: web.Server, limit: int) -> None:
-        self.server = server
-        self.limit = limit
-        self.open = 0
-        self.refused = 0
-        self._warned = False
-
-    def protocol(self) -> asyncio.Protocol:
-        """The protocol factory for `loop.create_server`."""
-        if self.open >= self.limit and not end_stalled_body(STALLED_S):
-            self.refused += 1
-            if not self._warned:
-                self._warned = True
-                log.warning("%d client connections open: refusing more with 503 (logged once)", self.open)
-            return _Refused()
-        self.open += 1
-        return _Counted(self.server(), self._closed)
-
-    def _closed(self) -> None:
-        self.open -= 1
-        if self.open < self.limit:
-            self._warned = False
-
-
-class _Counted(asyncio.Protocol):
-    """aiohttp's connection handler, forwarded to, with its end counted."""
-
-    __slots__ = ("inner", "_closed")
-
-    def __init__(self, inner: Any, closed: Callable[[], None]) -> None:
-        self.inner = inner
-        self._closed = closed
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        result: bool | None = self.inner.eof_received()
-        return result
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._closed()
-        self.inner.connection_lost(exc)
-
-
-class _Refused(asyncio.Protocol):
-    """One connection past the cap: the 503 goes out at once, what the client sends is read and
-    dropped (closing with unread bytes would reset the connection before it reads the 503)."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        stream = self.transport = cast(asyncio.Transport, transport)  # uvloop's are not its subclasses
-        stream.write(REFUSED)
-        if stream.can_write_eof():
-            stream.write_eof()
-        self.timer = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, stream.close)
-
-    def data_received(self, data: bytes) -> None:
-        pass
-
-    def eof_received(self) -> bool:
-        self.transport.close()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.timer.cancel()
-
-
 def connection_limit(config: Config) -> int:
     """`limits.max_client_connections`, or half the open-file limit: every client connection may
-    need an upstream connection too, and health checks and logs need a few more."""
+    need an upstream connection too, and health checks and logs need a few more (and the admin
+    port's connections, when it has one)."""
     if config.limits.max_client_connections is not None:
         return config.limits.max_client_connections
     try:
@@ -335,7 +256,8 @@ def connection_limit(config: Config) -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
-    return max(64, (soft - 128) // 2)
+    admin = 0 if config.access.admin_port is None else config.access.admin_max_connections
+    return max(64, (soft - 128 - admin) // 2)
 
 
 def raise_open_files(target: int) -> None:
@@ -394,14 +316,28 @@ def new_loop() -> asyncio.AbstractEventLoop:
 
 
 def _admin_site(proxy: Any, config: Config, reuse_port: bool) -> Callable[[web.Application], AsyncIterator[None]]:
+    """`access.admin_port`, behind a listener like the main port's, with its own cap."""
+
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
-        runner = web.AppRunner(admin_app(proxy), access_log=None)
+        runner = _runner(admin_app(proxy), config, None, BACKSTOP_S)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.access.admin_port, reuse_port=reuse_port or None)
-        await site.start()
-        log.info("/health and /metrics on http://%s:%d", config.host, config.access.admin_port)
+        assert runner.server is not None
+        cap = ConnectionCap(
+            runner.server,
+            config.access.admin_max_connections,
+            header_timeout=config.limits.client_header_timeout,
+            setting="access.admin_max_connections",
+            what="connections to the admin port",
+        )
+        port = config.access.admin_port
+        listener = await asyncio.get_running_loop().create_server(
+            cap.protocol, config.host, port, backlog=ADMIN_BACKLOG, reuse_port=reuse_port or None
+        )
+        log.info("/health and /metrics on http://%s:%d (at most %d connections)", config.host, port, cap.limit)
         yield
+        listener.close()
         await runner.cleanup()
+        cap.close()
 
     return lifetime
 

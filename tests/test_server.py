@@ -8,6 +8,7 @@ running then end properly (a stream with its terminal event, a whole reply with 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -18,9 +19,10 @@ import aiohttp
 import orjson
 import pytest
 
+from gymproxy.listener import QUIET_S, REFUSED_LINGER_S
 from gymproxy.testing.fake_vllm import Script
 
-from .faults import sse_data
+from .faults import eventually, sse_data
 from .served import Served, free_port
 
 WORDS = " ".join(f"w{i}" for i in range(60))
@@ -32,6 +34,48 @@ async def _raw(url: str, data: bytes) -> tuple[asyncio.StreamReader, asyncio.Str
     writer.write(data)
     await writer.drain()
     return reader, writer
+
+
+SLOW_HEAD = b"POST /v1/responses HTTP/1.1\r\nHost: gymproxy\r\nX-Slow: "  # and then a byte at a time
+
+
+async def _answered(
+    url: str,
+    request: bytes | None = None,
+    *,
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None,
+) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A request (a Responses turn unless given), on a new connection unless given, answered in
+    full; the answer's head, and the connection, left open (kept alive)."""
+    if request is None:
+        request = _post("/v1/responses", orjson.dumps({"model": "m", "input": "hi"}))
+    if connection is None:
+        reader, writer = await _raw(url, request)
+    else:
+        (reader, writer) = connection
+        writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    assert length is not None, head
+    await reader.readexactly(int(length[1]))
+    return head, reader, writer
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection (with nothing more to say) within a second."""
+    return await _read_for(reader, 1.0) == b""
+
+
+async def _read_for(reader: asyncio.StreamReader, seconds: float) -> bytes | None:
+    """What the server sent until it closed the connection; None if it is still open after `seconds`."""
+    try:
+        return await asyncio.wait_for(reader.read(), seconds)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _generations(fake_vllm) -> int:
+    return sum(seen.path in ("/v1/chat/completions", "/v1/completions") for seen in fake_vllm.requests)
 
 
 def _post(path: str, body: bytes, *, length: int | None = None) -> bytes:
@@ -136,9 +180,10 @@ async def test_a_body_still_arriving_at_the_end_of_the_grace_gets_a_408(fake_vll
 async def test_client_connections_past_the_cap_get_a_503_at_once(fake_vllm, tmp_path):
     config = {"base_url": fake_vllm.url, "limits": {"max_client_connections": 20}}
     async with Served(tmp_path, config) as served:
-        held = [await _raw(served.url, b"") for _ in range(20)]  # open, silent
-        await asyncio.sleep(0.2)
+        fake_vllm.push(*(Script(hang=True) for _ in range(20)))  # a request in progress on each
         body = orjson.dumps({"model": "m", "input": "hi"})
+        held = [await _raw(served.url, _post("/v1/responses", body)) for _ in range(20)]
+        assert await eventually(lambda: _generations(fake_vllm) == 20)
         reader, writer = await _raw(served.url, _post("/v1/responses", body))
         reply = await asyncio.wait_for(reader.read(), 5)  # answered and closed at once
         writer.close()
@@ -147,13 +192,109 @@ async def test_client_connections_past_the_cap_get_a_503_at_once(fake_vllm, tmp_
         assert "max_client_connections" in error["message"]
         for _, w in held[:5]:
             w.close()
-        await asyncio.sleep(0.3)
+        assert await eventually(lambda: len(fake_vllm.disconnects) == 5)
         async with aiohttp.ClientSession() as session:
             async with session.post(served.url + "/v1/responses", data=body) as response:
                 assert response.status == 200
         for _, w in held[5:]:
             w.close()
     assert served.log.count("refusing more with 503") == 1  # said once, not per connection
+
+
+async def test_at_the_cap_request_heads_sent_a_byte_at_a_time_make_room_for_new_clients(fake_vllm, tmp_path):
+    """Slowloris at the cap: 20 connections (the cap) send half a request head, then a byte now and
+    then, and reconnect when closed. Each new client is answered at once (they got a 503 until the
+    keep-alive timer closed the heads, 75 s later), and a head closed for it is told why (408)."""
+    config = {"base_url": fake_vllm.url, "limits": {"max_client_connections": 20}}
+    async with Served(tmp_path, config) as served:
+        stop = asyncio.Event()
+        told: list[bytes] = []
+
+        async def slowloris() -> None:
+            for _ in range(3):  # the first connection, and two more when closed
+                reader, writer = await _raw(served.url, SLOW_HEAD)
+                reply = asyncio.ensure_future(reader.read())
+                while not stop.is_set() and not reply.done():
+                    await asyncio.wait({reply}, timeout=0.2)
+                    writer.write(b"x")
+                writer.close()
+                if not reply.done():
+                    reply.cancel()
+                    return
+                told.append(b"reset" if reply.exception() else reply.result())
+
+        attackers = [asyncio.ensure_future(slowloris()) for _ in range(20)]
+        await asyncio.sleep(0.5)  # every head has begun to arrive
+        answered = [await asyncio.wait_for(_answered(served.url), 5) for _ in range(10)]
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*attackers), 5)
+        for _, _, writer in answered:
+            writer.close()
+    assert [head.split(b"\r\n")[0] for head, _, _ in answered] == [b"HTTP/1.1 200 OK"] * 10
+    assert any(reply.startswith(b"HTTP/1.1 408 ") for reply in told), told
+    # Closed for a newcomer (408), or, reconnecting while every other head had just sent a byte, refused.
+    assert all(reply.startswith((b"HTTP/1.1 408 ", b"HTTP/1.1 503 ")) or reply == b"reset" for reply in told), told
+    assert served.log.count("closing idle and stalled ones to make room") == 1  # said once
+
+
+async def test_at_the_cap_idle_connections_make_room_for_new_clients(fake_vllm, tmp_path):
+    """20 connections (the cap) stay open with no request in progress: 10 kept alive after a request,
+    10 that never sent a byte (new clients got a 503 until the keep-alive timer closed them, 75 s
+    later). Each new client is answered; the idle connections are closed for them first."""
+    config = {"base_url": fake_vllm.url, "limits": {"max_client_connections": 20}}
+    async with Served(tmp_path, config) as served:
+        silent = [await _raw(served.url, b"") for _ in range(10)]
+        idle = [await _answered(served.url) for _ in range(10)]  # (so the silent ones are accepted)
+        await asyncio.sleep(QUIET_S + 0.3)  # quiet for long enough to be closed for a new client
+        answered = [await asyncio.wait_for(_answered(served.url), 5) for _ in range(15)]
+        closed = await asyncio.gather(
+            *(_closed(reader) for _, reader, _ in idle + answered), *(_closed(r) for r, _ in silent)
+        )
+        for _, _, writer in idle + answered:
+            writer.close()
+        for _, writer in silent:
+            writer.close()
+    assert [head.split(b"\r\n")[0] for head, _, _ in answered] == [b"HTTP/1.1 200 OK"] * 15
+    assert closed[:10] == [True] * 10  # the idle ones first, then 5 of the silent (or of the new ones)
+    assert sum(closed) == 15, closed
+
+
+async def test_a_request_head_that_does_not_arrive_in_time_gets_a_408(fake_vllm, tmp_path):
+    """limits.client_header_timeout: a head sent a byte at a time is answered 408 and closed once it
+    is that old (it lived until the keep-alive timer, 75 s), and a connection that sends nothing is
+    closed; a connection kept alive between requests is not, even one whose last body was sent
+    after its answer (aiohttp reads and drops it)."""
+    config = {"base_url": fake_vllm.url, "limits": {"client_header_timeout": 0.5}}
+    async with Served(tmp_path, config) as served:
+        started = time.monotonic()
+        slow, slow_writer = await _raw(served.url, SLOW_HEAD)
+        reply = asyncio.ensure_future(slow.read())
+        silent, silent_writer = await _raw(served.url, b"")
+        _, kept, kept_writer = await _answered(served.url)
+        # A 404 answered before its body: the rest of it comes after the answer.
+        head, rest, rest_writer = await _answered(
+            served.url, b"POST /nope HTTP/1.1\r\nHost: gymproxy\r\nContent-Length: 10\r\n\r\n12345"
+        )
+        assert head.startswith(b"HTTP/1.1 404 ")
+        rest_writer.write(b"67890")
+        for _ in range(50):
+            await asyncio.wait({reply}, timeout=0.1)
+            if reply.done():
+                break
+            slow_writer.write(b"x")
+        waited = time.monotonic() - started
+        assert reply.done(), "the head was not closed"
+        assert reply.result().startswith(b"HTTP/1.1 408 "), reply.result()[:200]
+        assert "client_header_timeout" in orjson.loads(reply.result().partition(b"\r\n\r\n")[2])["error"]["message"]
+        assert 0.4 < waited < 2.0, waited
+        assert await asyncio.wait_for(silent.read(), 5) == b""
+        await asyncio.sleep(1.0 - (time.monotonic() - started))  # twice the head timeout since they were idle
+        for reader, writer in ((kept, kept_writer), (rest, rest_writer)):
+            head, _, _ = await asyncio.wait_for(_answered(served.url, connection=(reader, writer)), 5)
+            assert head.startswith(b"HTTP/1.1 200 "), head
+        for writer in (slow_writer, silent_writer, kept_writer, rest_writer):
+            writer.close()
+    assert "Traceback" not in served.log, served.log[-2000:]
 
 
 async def test_at_the_cap_a_stalled_body_makes_room_for_a_new_client(fake_vllm, tmp_path):
@@ -232,21 +373,62 @@ async def test_the_listen_backlog_is_the_setting(fake_vllm, tmp_path, backlog):
     assert int(lines.split()[2]) == min(backlog or 4096, somaxconn), lines
 
 
+async def _admin_up(session: aiohttp.ClientSession, admin: int) -> None:
+    for _ in range(100):  # the admin site starts with the app, just after the main listener
+        try:
+            async with session.get(f"http://127.0.0.1:{admin}/health") as response:
+                assert response.status == 200
+                return
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("the admin port did not answer")
+
+
 async def test_health_and_metrics_on_the_admin_port_only(fake_vllm, tmp_path):
     admin = free_port()
     async with Served(tmp_path, {"base_url": fake_vllm.url, "access": {"admin_port": admin}}) as served:
         async with aiohttp.ClientSession() as session:
-            for _ in range(100):  # the admin site starts with the app, just after the main listener
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/health") as response:
-                        assert response.status == 200
-                        break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.05)
+            await _admin_up(session, admin)
             async with session.get(f"http://127.0.0.1:{admin}/metrics") as response:
                 assert response.status == 200 and "gymproxy_requests_total" in await response.text()
             async with session.get(served.url + "/health") as response:
                 assert response.status == 404
+
+
+async def test_the_admin_port_is_capped_and_idle_connections_cannot_hold_it(fake_vllm, tmp_path):
+    """`access.admin_port` is kept as the main port is, with a cap of its own (64): 300 connections
+    to it that send nothing leave the process within its 256 files, and both ports keep answering
+    (it kept each for an hour: 1,024 of them used every file and the main port stopped answering)."""
+    admin = free_port()
+    config = {"base_url": fake_vllm.url, "access": {"admin_port": admin}}
+    async with Served(tmp_path, config, open_files=256) as served:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            await _admin_up(session, admin)
+            before = (await served.stats())["fds"]
+            held = []
+            try:
+                for _ in range(300):
+                    try:
+                        held.append(await asyncio.wait_for(asyncio.open_connection("127.0.0.1", admin), 2))
+                    except (OSError, asyncio.TimeoutError):
+                        break  # the listen backlog is full: the process has stopped accepting
+                assert len(held) == 300, served.log[-2000:]
+                assert await eventually(lambda: "refusing more with 503" in served.log)  # the 64 are in
+                await asyncio.sleep(max(QUIET_S, REFUSED_LINGER_S) + 0.3)  # quiet; the refused ones closed
+                during = (await served.stats())["fds"]
+                async with session.get(f"http://127.0.0.1:{admin}/health") as response:  # makes room
+                    assert response.status == 200, served.log[-3000:]
+                async with session.post(served.url + "/v1/responses", json={"model": "m", "input": "hi"}) as response:
+                    assert response.status == 200
+                replies = await asyncio.gather(*(_read_for(reader, 1.0) for reader, _ in held))
+            finally:
+                for _, writer in held:
+                    writer.close()
+    assert during <= before + 64 + 8, (before, during)
+    refused = sum(reply is not None and reply.startswith(b"HTTP/1.1 503 ") for reply in replies)
+    assert refused == 300 - 64, refused  # and 63 still open, one closed for the new client
+    assert replies.count(b"") == 1 and replies.count(None) == 63, replies
+    assert served.log.count("connections to the admin port open: refusing more with 503") == 1
 
 
 async def test_workers_finish_their_streams_on_sigterm(fake_vllm, tmp_path):
