@@ -160,8 +160,8 @@ class Limits(Settings, frozen=True, kw_only=True):
 class Restart(Settings, frozen=True, kw_only=True):
     """How a process that exits while gymproxy serves is restarted (a launched vLLM, a worker): after a
     backoff (`backoff_s`, doubling with each restart in the window up to `backoff_max_s`), at most
-    `attempts` times within any `window_s`; past that it is given up (a vLLM: an error in the log and
-    in /health; a worker: gymproxy stops with an error)."""
+    `attempts` times within any `window_s`; past that it is given up (an error in the log; a vLLM's
+    in /health, a worker's in /metrics as missing; with no worker left, gymproxy stops)."""
 
     attempts: Annotated[int, msgspec.Meta(ge=0)] = 5  # 0: never restart
     window_s: Seconds = 600.0

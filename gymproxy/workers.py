@@ -12,8 +12,10 @@ The parent (`Workers`) reads the heartbeats as it loops. A worker that has sent 
 `workers.heartbeat_timeout_s` (stopped, or its event loop hung) is killed: the kernel would keep
 handing it its share of new connections, and nobody would answer them. A worker that exits or is
 killed is started again under the same index (its metrics socket keeps its name) after a backoff,
-within `workers.restart`'s limits. A worker of the first start that exits before it listens (a bad
-config, a taken port), or one past those limits, stops gymproxy with an error (`WorkersFailed`).
+within `workers.restart`'s limits; one past them is given up (logged, and missing from /metrics)
+while the others serve on: stopping gymproxy would end every worker's requests, and the replicas it
+launched, for one worker's sake. A worker of the first start that exits before it listens (a bad
+config, a taken port), or the last one given up, stops gymproxy with an error (`WorkersFailed`).
 
 The workers share a private runtime directory (`RuntimeDir`): the parent and every worker hold a
 shared lock on its `lock` file. The parent removes it at exit; after a SIGKILL of the parent the
@@ -29,6 +31,7 @@ import contextlib
 import ctypes
 import fcntl
 import logging
+import math
 import multiprocessing
 import os
 import selectors
@@ -149,7 +152,7 @@ class _Worker:
         self.beat: float | None = None  # when its last heartbeat came (None: not listening yet)
         self.starts = 0
         self.restarts: collections.deque[float] = collections.deque()  # when, within the window
-        self.due = 0.0  # when to start it again (while `process` is None)
+        self.due = 0.0  # when to start it again (while `process` is None; inf: given up)
         self.reread = False  # a SIGHUP came before it listened: it gets one once it does
 
 
@@ -282,10 +285,21 @@ class Workers:
         while worker.restarts and now - worker.restarts[0] > policy.window_s:
             worker.restarts.popleft()
         if len(worker.restarts) >= policy.attempts:
-            raise WorkersFailed(
-                f"worker {worker.index} (pid {worker.pid}) {why}; given up after {len(worker.restarts)} "
-                f"restart(s) in {policy.window_s:g} s (workers.restart)"
+            given_up = f"given up after {len(worker.restarts)} restart(s) in {policy.window_s:g} s (workers.restart)"
+            worker.due = math.inf
+            serving = sum(w.due != math.inf for w in self._workers)
+            if not serving:
+                raise WorkersFailed(f"worker {worker.index} (pid {worker.pid}) {why}; {given_up}; no worker is left")
+            log.error(
+                "worker %d (pid %d) %s; %s: %d of %d workers serve on",
+                worker.index,
+                worker.pid,
+                why,
+                given_up,
+                serving,
+                len(self._workers),
             )
+            return
         delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** len(worker.restarts))
         worker.restarts.append(now)
         worker.due = now + delay

@@ -182,6 +182,28 @@ async def test_a_worker_that_exits_is_replaced_and_rereads_the_config_its_siblin
     assert "needs a restart" not in served.log
 
 
+async def test_a_worker_past_its_restarts_is_given_up_and_the_others_serve_on(fake_vllm, tmp_path):
+    """One worker that keeps dying does not take gymproxy (and every other worker's requests) down
+    with it; once no worker is left, gymproxy stops with an error."""
+    config = {"base_url": fake_vllm.url, "workers": {"restart": {"attempts": 0}}}
+    served = Served(tmp_path, config, "--workers", "2")
+    try:
+        served.start()
+        await served.wait_listening()
+        await until(lambda: len(worker_pids(served.log)) == 2, "2 workers")
+        first, second = worker_pids(served.log)
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: "1 of 2 workers serve on" in served.log, "the worker to be given up")
+        assert (await answered_within(served.url, 2, 10)) == [200] * 10
+        os.kill(second, signal.SIGKILL)
+        assert await served.wait(WAIT_S) == 1
+        assert "no worker is left" in served.log
+    finally:
+        if served.process is not None and served.process.poll() is None:
+            served.process.kill()
+        kill_all(worker_pids(served.log))
+
+
 async def test_a_worker_that_cannot_start_stops_gymproxy_with_an_error(fake_vllm, tmp_path):
     """Not a restart loop: a worker of the first start that exits before it listens (here its admin
     port is taken) ends the parent with an error naming it."""
