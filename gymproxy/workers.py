@@ -268,11 +268,9 @@ class Workers:
         elif not worker.process.is_alive():
             self._replace(worker, f"exited with {_status(worker.process.exitcode)}", now)
         elif worker.beat is not None and now - worker.beat > self.settings.heartbeat_timeout_s:
-            why = f"sent no heartbeat for {now - worker.beat:.1f} s (stopped or hung)"
-            log.warning("worker %d (pid %d) %s: killing it", worker.index, worker.pid, why)
             worker.process.kill()
             worker.process.join(5)
-            self._replace(worker, why, now)
+            self._replace(worker, f"sent no heartbeat for {now - worker.beat:.1f} s (stopped or hung): killed", now)
 
     def _replace(self, worker: _Worker, why: str, now: float) -> None:
         """Schedule the start of another process for `worker`, or raise `WorkersFailed`."""
