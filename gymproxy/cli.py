@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import socket
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,11 @@ from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_sp
 from .fleet import shown
 from .peers import Peers
 from .proxy import INSTANCE_ENV
+from .workers import Lifeline, RuntimeDir, Workers, WorkersFailed, die_with_parent
 
 log = logging.getLogger("gymproxy")
+
+TICK_S = 0.2  # how often the parent of `--workers N` looks at its workers (and steps its replicas)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -112,7 +113,10 @@ def serve_workers(
     config re-read on SIGHUP finds it too), and one instance id (`$GYMPROXY_INSTANCE`, for loop
     detection). A SIGHUP here is forwarded to every worker; a worker sends one here when an admin
     route changed the fleet, after writing the change to the overlay file every worker reads (in a
-    private directory that lives as long as this process).
+    private directory that lives as long as they do).
+
+    The workers die with this parent, and one that stops sending its heartbeat or exits is replaced
+    (`workers.Workers`, `workers.*` in the config).
 
     With `launcher`, this parent runs the vLLM replicas (on an event loop it steps while it watches
     the workers), starts the workers once one replica is ready, and stops the replicas after the
@@ -128,9 +132,9 @@ def serve_workers(
     os.environ.setdefault(INSTANCE_ENV, secrets.token_hex(8))
     # The workers' private directory (mode 0700): the admin changes' overlay file, and the socket on
     # which each worker serves its own metrics, so the one a scrape reaches answers for all (peers.py).
-    runtime = Path(tempfile.mkdtemp(prefix="gymproxy-"))
-    overlay = runtime / "fleet.json"
-    replicas = runtime / "replicas.json" if launcher is not None else None
+    runtime = RuntimeDir.make()
+    overlay = runtime.path / "fleet.json"
+    replicas = runtime.path / "replicas.json" if launcher is not None else None
     stepping = None
     if launcher is not None:
         stepping = asyncio.new_event_loop()
@@ -141,66 +145,59 @@ def serve_workers(
             if not ready:
                 stepping.run_until_complete(launcher.stop())
                 stepping.close()
-                shutil.rmtree(runtime, ignore_errors=True)
+                runtime.remove()
         if not ready:
             return
         _write_states(replicas, launcher)
-    context = multiprocessing.get_context("spawn")
-    children = []
+    fake = None
     if fake_port is not None:
-        children.append(context.Process(target=_run_fake, args=(fake_port, config.model or "fake-model"), daemon=True))
-    serving = [
-        context.Process(
-            target=_run_worker, args=(config, reload, overlay, str(runtime), index, workers, replicas), daemon=True
+        context = multiprocessing.get_context("spawn")
+        fake = context.Process(
+            target=_run_fake, args=(fake_port, config.model or "fake-model", os.getpid()), daemon=True
         )
-        for index in range(workers)
-    ]
-    children += serving
-    for child in children:
-        child.start()
-    log.info("gymproxy %s: %d workers on http://%s:%d", __version__, workers, config.host, config.port)
-
-    def forward(signum: int, frame: Any) -> None:
-        for child in serving:
-            if child.is_alive() and child.pid is not None:
-                os.kill(child.pid, signal.SIGHUP)
-
-    signal.signal(signal.SIGHUP, forward)
-
-    stopping = False
-
-    def stop(signum: int, frame: Any) -> None:
-        # Once only: a second SIGTERM would cut short a worker still draining its requests.
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            for child in children:
-                if child.is_alive():
-                    child.terminate()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+        fake.start()
+    serve = functools.partial(_run_worker, config, reload, overlay, str(runtime.path), workers, replicas)
+    pool = Workers(workers, serve, config.workers, runtime.path)
+    signal.signal(signal.SIGHUP, lambda signum, frame: pool.forward())
+    signal.signal(signal.SIGTERM, lambda signum, frame: pool.terminate())
+    signal.signal(signal.SIGINT, lambda signum, frame: pool.terminate())
+    failed = None
     try:
-        while all(child.is_alive() for child in children):
+        pool.start()
+        log.info(
+            "gymproxy %s: %d workers on http://%s:%d (runtime directory %s)",
+            __version__,
+            workers,
+            config.host,
+            config.port,
+            runtime.path,
+        )
+        while not pool.stopping:
             if stepping is None or launcher is None:
-                time.sleep(0.2)
+                pool.watch(TICK_S)
             else:
-                stepping.run_until_complete(asyncio.sleep(0.2))
+                stepping.run_until_complete(asyncio.sleep(TICK_S))
+                pool.watch(0)
                 _write_states(replicas, launcher)
+            if fake is not None and not fake.is_alive():
+                raise WorkersFailed(f"the bundled fake vLLM exited with {fake.exitcode}")
+    except WorkersFailed as exc:
+        failed = exc
+        log.error("%s: stopping", exc)
     finally:
-        stop(0, None)
+        pool.terminate()
         if launcher is not None:
             launcher.hold()
-        for child in children:
-            child.join(timeout=config.shutdown_grace_s + 5)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        codes = pool.join(config.shutdown_grace_s + 5)
+        if fake is not None:
+            fake.terminate()
+            fake.join(5)
         if stepping is not None and launcher is not None:
             stepping.run_until_complete(launcher.stop())
             stepping.close()
-        shutil.rmtree(runtime, ignore_errors=True)
-    codes = [child.exitcode for child in children]
+        runtime.remove()
+    if failed is not None:
+        raise SystemExit(f"gymproxy: {failed}")
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
 
@@ -236,22 +233,33 @@ def _run_worker(
     reload: Loader | None,
     overlay: Path,
     runtime: str,
-    index: int,
     workers: int,
-    replicas: Path | None = None,
+    replicas: Path | None,
+    index: int,
+    restarts: int,
+    lifeline: Lifeline,
 ) -> None:
     # A SIGHUP before the loop handles it must not end the worker (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
-    peers = Peers(runtime, index, workers)
-    server.run(config, reuse_port=True, reload=reload, overlay=overlay, peers=peers, replicas=replicas)
+    peers = Peers(runtime, index, workers, restarts=restarts)
+    server.run(
+        config,
+        reuse_port=True,
+        reload=reload,
+        overlay=overlay,
+        peers=peers,
+        replicas=replicas,
+        lifeline=lifeline.attach,
+    )
 
 
-def _run_fake(port: int, model: str) -> None:
+def _run_fake(port: int, model: str, parent: int) -> None:
     from .testing.fake_vllm import run
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
     run("127.0.0.1", port, model)
 
 

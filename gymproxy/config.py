@@ -258,14 +258,24 @@ class Limits(Settings, frozen=True, kw_only=True):
 
 
 class Restart(Settings, frozen=True, kw_only=True):
-    """How a launched vLLM that exits while gymproxy serves is restarted: after a backoff (`backoff_s`,
-    doubling with each restart in the window up to `backoff_max_s`), at most `attempts` times within
-    any `window_s`; past that it is given up (an error in the log and in /health)."""
+    """How a process that exits while gymproxy serves is restarted (a launched vLLM, a worker): after a
+    backoff (`backoff_s`, doubling with each restart in the window up to `backoff_max_s`), at most
+    `attempts` times within any `window_s`; past that it is given up (an error in the log; a vLLM's
+    in /health, a worker's in /metrics as missing; with no worker left, gymproxy stops)."""
 
     attempts: Annotated[int, msgspec.Meta(ge=0)] = 5  # 0: never restart
     window_s: Seconds = 600.0
     backoff_s: Seconds = 2.0
     backoff_max_s: Seconds = 60.0
+
+
+class Workers(Settings, frozen=True, kw_only=True):
+    """How the parent of `gymproxy serve --workers N` watches its workers."""
+
+    # A worker whose event loop sends no heartbeat for this long (stopped, hung) is killed and replaced.
+    heartbeat_timeout_s: Annotated[float, msgspec.Meta(ge=1)] = 5.0
+    # A worker that exits or is killed is started again under the same index.
+    restart: Restart = Restart(attempts=5, window_s=300.0, backoff_s=0.5, backoff_max_s=30.0)
 
 
 class Launch(Settings, frozen=True, kw_only=True):
@@ -362,6 +372,7 @@ class Config(Settings, frozen=True, kw_only=True):
     limits: Limits = Limits()
     # On SIGTERM: stop accepting, let in-flight requests and streams finish for this long.
     shutdown_grace_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    workers: Workers = Workers()  # `--workers N` (num_workers): heartbeats and restarts
     # Serve Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`, `/api/hello`) by
     # relaying it to the session's upstream, vLLM's own Anthropic endpoint.
     anthropic_messages: bool = True

@@ -25,11 +25,14 @@ PEER_TIMEOUT = 1.0  # seconds a sibling has to hand over its text; a stuck one i
 class Peers:
     """Worker `index` of `count`, with its siblings' metrics sockets in `directory`."""
 
-    def __init__(self, directory: str, index: int, count: int, *, timeout: float = PEER_TIMEOUT) -> None:
+    def __init__(
+        self, directory: str, index: int, count: int, *, timeout: float = PEER_TIMEOUT, restarts: int = 0
+    ) -> None:
         self.directory = directory
         self.index = index
         self.count = count
         self.timeout = timeout
+        self.restarts = restarts  # how many times the parent started this worker's index again
         self._server: asyncio.AbstractServer | None = None
         self._warned: set[int] = set()
 
@@ -41,7 +44,7 @@ class Peers:
 
         async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                writer.write(render().encode())
+                writer.write(self._own(render()).encode())
                 await writer.drain()
             except Exception:  # noqa: BLE001 - a sibling that left, or a bug: that scrape misses this worker
                 log.exception("metrics: could not answer a sibling worker")
@@ -64,17 +67,27 @@ class Peers:
         """`own` text merged with every sibling's; a sibling that does not answer in time is left out."""
         others = await asyncio.gather(*(self._fetch(i) for i in range(self.count) if i != self.index))
         texts: list[str | None] = list(others)
-        texts.insert(self.index, own)
+        texts.insert(self.index, self._own(own))
         return merge(texts)
+
+    def _own(self, text: str) -> str:
+        """This worker's text, with its restart count (a counter kept by index, across its processes)."""
+        return text + (
+            "# HELP gymproxy_worker_restarts_total Times the worker was started again (it exited, or sent no heartbeat).\n"
+            "# TYPE gymproxy_worker_restarts_total counter\n"
+            f'gymproxy_worker_restarts_total{{worker="{self.index}"}} {self.restarts}\n'
+        )
 
     async def _fetch(self, index: int) -> str | None:
         try:
-            return await asyncio.wait_for(self._read(index), self.timeout)
+            text = await asyncio.wait_for(self._read(index), self.timeout)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, UnicodeDecodeError) as exc:
-            if index not in self._warned:  # once per sibling: scrapes come every few seconds
+            if index not in self._warned:  # once per outage: scrapes come every few seconds
                 self._warned.add(index)
                 log.warning("metrics: worker %d did not answer (%r); its numbers are left out", index, exc)
             return None
+        self._warned.discard(index)
+        return text
 
     async def _read(self, index: int) -> str:
         reader, writer = await asyncio.open_unix_connection(self.path(index))

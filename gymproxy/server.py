@@ -57,6 +57,7 @@ def run(
     peers: Peers | None = None,
     launcher: Launcher | None = None,
     replicas: Path | None = None,
+    lifeline: Callable[[asyncio.Event], None] | None = None,
 ) -> None:
     """Run one gymproxy process until SIGTERM or SIGINT; with `fake_port`, the fake vLLM runs beside it.
 
@@ -67,13 +68,17 @@ def run(
     worker too), its `/metrics` covers every worker. With `launcher`, its replicas are the upstreams
     (`config` is `launcher.config`; a `reload` must keep them, as `launch.keep_replicas` does), and
     `launch.LaunchFailed` is raised when none of them starts. With `replicas` (a worker of `--workers
-    N` with `launch`), /health shows the replicas' states the parent writes to that file."""
+    N` with `launch`), /health shows the replicas' states the parent writes to that file. With
+    `lifeline` (a worker too), it is called with the stop event once the process listens: it beats
+    to the parent, and stops this process when the parent is gone (`workers.Lifeline.attach`)."""
     raise_open_files(config.limits.open_files)
     quiet_malformed_requests()
     loop = new_loop()
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(_serve(config, fake_port, reuse_port, reload, overlay, peers, launcher, replicas))
+        loop.run_until_complete(
+            _serve(config, fake_port, reuse_port, reload, overlay, peers, launcher, replicas, lifeline)
+        )
     finally:
         _cancel_tasks(loop)
         loop.run_until_complete(loop.shutdown_asyncgens())
@@ -90,13 +95,14 @@ async def _serve(
     peers: Peers | None,
     launcher: Launcher | None = None,
     replicas: Path | None = None,
+    lifeline: Callable[[asyncio.Event], None] | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     if launcher is None:
-        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None, replicas)
+        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None, replicas, lifeline)
         return
     try:
         await launcher.start()
@@ -120,6 +126,7 @@ async def _serve_app(
     stop: asyncio.Event,
     launcher: Launcher | None,
     replicas: Path | None = None,
+    lifeline: Callable[[asyncio.Event], None] | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     app = create_app(config)
@@ -157,6 +164,8 @@ async def _serve_app(
         os.getpid(),
         cap.limit,
     )
+    if lifeline is not None:
+        lifeline(stop)
     try:
         await stop.wait()
     finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -407,6 +408,30 @@ def test_workers_serve_in_front_of_the_replicas_their_parent_runs(tmp_path: Path
     assert gym.stop() == 0
     assert "stopped 2 vLLM replica(s)" in gym.log
     assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_sigkill_of_gymproxy_with_workers_leaves_no_worker_and_no_replica(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    """The parent of `--workers` runs the replicas: after its SIGKILL the reaper stops them, and the
+    workers, which went on answering 502 for good, stop too."""
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", "--workers", "2", *QUICK)
+    gyms.append(gym)
+    wait_until(lambda: gym.log.count(" listening on http://") == 2 or gym.process.poll() is not None, "2 workers")
+    workers = [int(pid) for pid in re.findall(r" listening on http://\S+ \(pid (\d+),", gym.log)]
+    try:
+        wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
+        assert gym.chat()[0] == 200
+        replicas = gym.pids()
+        assert len(workers) == 2 and len(replicas) == 4 and all(alive(pid) for pid in workers + replicas)
+        gym.process.kill()
+        gym.process.wait()
+        wait_until(lambda: not [pid for pid in workers + replicas if alive(pid)], "every process to stop", timeout=20)
+        assert port_free(gym.port)
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
