@@ -141,6 +141,9 @@ def serve_workers(
         if not ready:
             return
         _write_states(replicas, launcher)
+        # At once, not at the next step: a worker sends nothing to a replica the file says is down.
+        launcher.on_down = lambda name, why: _write_states(replicas, launcher)
+        launcher.on_ready = lambda name: _write_states(replicas, launcher)
     context = multiprocessing.get_context("spawn")
     children = []
     if fake_port is not None:
