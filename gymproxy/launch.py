@@ -54,6 +54,14 @@ READY_POLL_S = 0.5
 EXIT_POLL_S = 0.05  # how often a replica's exit is looked for without pidfds
 REAP_POLL_S = 0.002  # ... and once its pidfd said it exited, until the child watcher has reaped it
 TAIL_BYTES = TAIL_LINES * LINE_MAX
+# A replica's output pipe is drained at most this often, in bulk (a chatty vLLM prints a line per
+# request), and is made this big meanwhile (Linux; the default is 64 KiB).
+PUMP_PAUSE_S = 0.05
+PIPE_SIZE = 1 << 20
+READ_MAX = 4 << 20  # bytes read from the pipe per wakeup, at most
+LOG_RATE = 100  # lines a second of one replica's output logged, past a burst of
+LOG_BURST = 2000  # (vLLM's startup prints a few hundred)
+DROPPED_REPORT_S = 10.0  # how often the count of lines not logged is
 HEALTH_TIMEOUT_S = 2.0
 WATCH_POLL_S = 5.0  # a ready replica's /health is asked this often (at most), for `launch.unresponsive_s`
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
@@ -71,6 +79,37 @@ _PARALLEL = {
 }
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _SECRET = re.compile(r"key|token|secret|password", re.IGNORECASE)
+
+
+class LogBudget:
+    """How many output lines may be logged: `burst` at once, then `rate` a second (a token bucket);
+    the lines it refuses are counted until `report`."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens = float(burst)
+        self.stamp = self.reported = clock()
+        self.dropped = 0
+
+    def take(self, count: int) -> int:
+        """How many of `count` lines may be logged now; the rest are counted as dropped."""
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        allowed = min(count, int(self.tokens))
+        self.tokens -= allowed
+        self.dropped += count - allowed
+        return allowed
+
+    def since_report(self) -> float:
+        return self.clock() - self.reported
+
+    def report(self) -> tuple[int, float]:
+        """The lines dropped since the last report, and over how many seconds; the count starts again."""
+        now = self.clock()
+        dropped, seconds = self.dropped, now - self.reported
+        self.dropped, self.reported = 0, now
+        return dropped, seconds
 
 
 class LaunchFailed(Exception):
@@ -550,8 +589,11 @@ class Launcher:
         log.info("%s starting (port %d): %s", replica.name, replica.port, command)
         # With log_dir the replica writes its file itself: its output never passes through this
         # process (vLLM logs every request), and the tail is read back from the file when needed.
-        output: IO[bytes] | int = asyncio.subprocess.PIPE
-        if self.launch.log_dir is not None:
+        pipe: int | None = None
+        output: IO[bytes] | int
+        if self.launch.log_dir is None:
+            pipe, output = _output_pipe()
+        else:
             output = self._log_path(replica).open("ab")
             output.write(f"--- gymproxy: start {replica.starts} of {replica.name}: {command}\n".encode())
             output.flush()
@@ -566,13 +608,17 @@ class Launcher:
                 start_new_session=True,  # its own process group: vLLM's EngineCore is stopped with it
             )
         except OSError as exc:
+            if pipe is not None:
+                os.close(pipe)
             return f"cannot start {replica.argv[0]}: {exc}"
         finally:
-            if not isinstance(output, int):
-                output.close()  # the replica has its own
+            if isinstance(output, int):
+                os.close(output)  # the replica has its own
+            else:
+                output.close()
         replica.process = process
         self._tell_reaper(f"+{process.pid}")
-        pump = asyncio.ensure_future(self._pump(replica, process.stdout))
+        pump = asyncio.ensure_future(self._pump(replica, pipe))
         exited = asyncio.ensure_future(_exit_of(process))
         ready = asyncio.ensure_future(self._until_ready(replica))
         try:
@@ -712,33 +758,65 @@ class Launcher:
             elif time.monotonic() - answered >= limit:
                 return
 
-    async def _pump(self, replica: Replica, stream: asyncio.StreamReader | None) -> None:
-        """Copy the replica's output, line by line, to gymproxy's log (None: it writes its file)."""
-        if stream is None:
+    async def _pump(self, replica: Replica, pipe: int | None) -> None:
+        """Copy the replica's output to gymproxy's log (None: it writes its file), cheaply however
+        much it prints: the pipe is drained in bulk at most every `PUMP_PAUSE_S` (it holds
+        `PIPE_SIZE` meanwhile), lines are split in bulk, at most `LOG_RATE` a second are logged
+        past a burst of `LOG_BURST` (the others are counted, and the count logged), and only the
+        last `TAIL_LINES` of each read are kept for error messages."""
+        if pipe is None:
             return
+        loop = asyncio.get_running_loop()
+        budget = LogBudget(LOG_RATE, LOG_BURST)
         pending = b""
-        while True:
-            chunk = await stream.read(65536)
-            if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            if len(pending) > 4 * LINE_MAX:  # no newline in sight: take it as a line
-                lines.append(pending)
-                pending = b""
-            for line in lines:
-                self._line(replica, line)
-        if pending:
-            self._line(replica, pending)
+        try:
+            while True:
+                readable = loop.create_future()
+                loop.add_reader(pipe, _wake, readable)
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(pipe)
+                data, ended = _drain(pipe)
+                lines = (pending + data).split(b"\n")
+                pending = b"" if ended else lines.pop()
+                if len(pending) > 4 * LINE_MAX:  # no newline in sight: take it as a line
+                    lines.append(pending)
+                    pending = b""
+                self._lines(replica, lines, budget)
+                if ended:
+                    break
+                await asyncio.sleep(PUMP_PAUSE_S)
+        finally:
+            os.close(pipe)
+            if budget.dropped:
+                self._report_dropped(replica, budget)
 
-    def _line(self, replica: Replica, raw: bytes) -> None:
-        text = shown_line(raw)
-        if not text.strip():
+    def _lines(self, replica: Replica, lines: list[bytes], budget: LogBudget) -> None:
+        """Some of the replica's output lines: the last few go to its tail, as many as the
+        budget allows to the log."""
+        lines = [line for line in lines if line.strip()]
+        if not lines:
             return
-        replica.tail.append(text)
         if replica.state == "starting":
             replica.state = "loading"
-        log.info("[%s] %s", replica.name, text)
+        replica.tail.extend(text for text in map(shown_line, lines[-TAIL_LINES:]) if text.strip())
+        for raw in lines[: budget.take(len(lines))]:
+            text = shown_line(raw)
+            if text.strip():
+                log.info("[%s] %s", replica.name, text)
+        if budget.dropped and budget.since_report() >= DROPPED_REPORT_S:
+            self._report_dropped(replica, budget)
+
+    def _report_dropped(self, replica: Replica, budget: LogBudget) -> None:
+        dropped, seconds = budget.report()
+        log.info(
+            "[%s] ... %d more lines in the last %.0f s not logged (over %d a second; launch.log_dir keeps them all)",
+            replica.name,
+            dropped,
+            seconds,
+            LOG_RATE,
+        )
 
     def _cannot_bind(self, replica: Replica) -> bool:
         """Its last lines say it could not bind its port."""
@@ -887,6 +965,37 @@ def _listeners(port: int) -> set[str] | None:
             if len(fields) > 9 and fields[1].endswith(needle.rstrip()) and fields[3] == "0A":
                 found.add(fields[9])
     return found if read else None
+
+
+def _output_pipe() -> tuple[int, int]:
+    """A pipe for a replica's output (read end non-blocking), made `PIPE_SIZE` big where allowed."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    try:
+        import fcntl
+
+        fcntl.fcntl(write, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_SIZE)
+    except (ImportError, OSError):
+        pass  # the default size: a flood of output waits on the pipe a little sooner
+    return read, write
+
+
+def _drain(pipe: int) -> tuple[bytes, bool]:
+    """What can be read from the pipe now (up to `READ_MAX`), and whether it has ended."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < READ_MAX:
+        try:
+            chunk = os.read(pipe, PIPE_SIZE)
+        except BlockingIOError:
+            return b"".join(chunks), False
+        except OSError:
+            return b"".join(chunks), True
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), False
 
 
 def _signal_group(pgid: int, signum: int) -> None:

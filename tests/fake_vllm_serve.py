@@ -6,8 +6,9 @@ a test can check that the whole process group goes. What each start of each repl
 FAKE_VLLM_PLAN, e.g. `0=ok,exit3;1=slow2`: replica 0 serves on its first start and exits with 3 on
 every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit<code>` (before
 listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
-`stubborn` (serves, ignoring SIGTERM), `nokey` (serves, checking no API key, as a wrapper that
-drops VLLM_API_KEY would). The last action of a list repeats; unlisted
+`stubborn` (serves, ignoring SIGTERM), `chatty<lines a second>` (serves, printing that many lines
+a second, each flushed, as vLLM's logging does), `nokey` (serves, checking no API key, as a
+wrapper that drops VLLM_API_KEY would). The last action of a list repeats; unlisted
 replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids
 and writes its environment to $FAKE_VLLM_DIR/env-<replica>-<start>.json.
 
@@ -22,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,8 @@ def main() -> None:
         sys.stdout.flush()
     if action == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action.startswith("chatty"):
+        threading.Thread(target=chatter, args=(float(action[6:]),), daemon=True).start()
 
     from aiohttp import web
 
@@ -103,6 +107,21 @@ def main() -> None:
         handle_signals=action != "stubborn",
         reuse_port=True,  # as vLLM: gymproxy holds the port (launch.hold_ports)
     )
+
+
+def chatter(per_second: float) -> None:
+    """Print `per_second` lines a second, each flushed, for ever (a replica that logs every request)."""
+    count = 0
+    started = time.monotonic()
+    while True:
+        count += 1
+        print(
+            f"INFO 01-01 00:00:00 [logger.py:43] Received request chatcmpl-{count}: prompt: 'hi', params: ...",
+            flush=True,
+        )
+        ahead = count / per_second - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 if __name__ == "__main__":

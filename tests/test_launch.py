@@ -30,6 +30,8 @@ import yaml
 from gymproxy import cli
 from gymproxy.config import ConfigError, Launch, build_config, load_config, to_vllm_args
 from gymproxy.launch import (
+    LOG_BURST,
+    LOG_RATE,
     PORT_FLOOR,
     REPLICA_ENV,
     gpu_groups,
@@ -616,6 +618,24 @@ def test_a_server_that_does_not_check_the_replicas_key_is_not_taken_for_it(
     assert "vllm-0 is not ready: the server on port" in log and "does not check vllm-0's API key" in log
     assert "vllm-0 was not ready within 4 s (launch.startup_timeout_s): the server on port" in log
     assert " listening on " not in log
+
+
+def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # A vLLM logs a line per request: past a burst, at most LOG_RATE lines a second reach
+    # gymproxy's log, and the number left out is logged instead.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=chatty5000")
+    gyms.append(gym)
+    gym.wait_listening()
+    started = time.monotonic()
+    wait_until(lambda: gym.log.count("Received request") > LOG_BURST + LOG_RATE // 2, "the burst spent")
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+    elapsed = time.monotonic() - started
+    log = gym.log
+    logged = log.count("Received request")
+    assert logged <= LOG_BURST + LOG_RATE * (elapsed + 10), (logged, elapsed)
+    dropped = re.findall(r"\[vllm-0\] \.\.\. (\d+) more lines in the last \d+ s not logged \(over 100 a second", log)
+    assert dropped and sum(int(n) for n in dropped) > 0
 
 
 def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
