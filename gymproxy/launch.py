@@ -820,7 +820,7 @@ class Launcher:
 
     def _cannot_bind(self, replica: Replica) -> bool:
         """Its last lines say it could not bind its port."""
-        return any("Address already in use" in line for line in replica.tail)
+        return any("address already in use" in line.lower() for line in replica.tail)
 
     def _read_tail(self, replica: Replica) -> None:
         """With `log_dir`: the last lines of the replica's latest life, from its file."""

@@ -8,7 +8,7 @@ every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit
 listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
 `stubborn` (serves, ignoring SIGTERM), `chatty<lines a second>` (serves, printing that many lines
 a second, each flushed, as vLLM's logging does), `nokey` (serves, checking no API key, as a
-wrapper that drops VLLM_API_KEY would). The last action of a list repeats; unlisted
+wrapper that drops VLLM_API_KEY would), `noreuse` (binds without SO_REUSEPORT, as an old vLLM). The last action of a list repeats; unlisted
 replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids
 and writes its environment to $FAKE_VLLM_DIR/env-<replica>-<start>.json.
 
@@ -105,7 +105,7 @@ def main() -> None:
         handler_cancellation=True,
         print=None,
         handle_signals=action != "stubborn",
-        reuse_port=True,  # as vLLM: gymproxy holds the port (launch.hold_ports)
+        reuse_port=action != "noreuse",  # as vLLM: gymproxy holds the port (launch.hold_ports)
     )
 
 

@@ -456,7 +456,7 @@ def pinned_sessions(gym: Gym, replicas: int) -> list[str | None]:
     return cookies
 
 
-def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int) -> Gym:
+def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, *args: str) -> Gym:
     gym = Gym(
         tmp_path,
         vllm_bin,
@@ -472,6 +472,7 @@ def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, wor
         "launch.stop_grace_s=2",
         "--set",
         "health.interval=0.2",
+        *args,
     )
     gyms.append(gym)
     wait_until(lambda: gym.log.count(" listening on http://") == workers or gym.process.poll() is not None, "serving")
@@ -526,16 +527,16 @@ def test_another_user_cannot_take_a_restarting_replicas_port(
     assert gym.stop() == 0
 
 
-@pytest.mark.parametrize(("replicas", "workers"), SCENARIOS)
+@pytest.mark.parametrize(("replicas", "workers", "hold"), [(*s, True) for s in SCENARIOS] + [(2, 1, False)])
 def test_a_process_on_a_restarting_replicas_port_gets_no_prompt(
-    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, hold: bool
 ):
     # vllm-0 is killed; once gymproxy has seen it go, a process binds its port (here of gymproxy's
     # own user, which SO_REUSEPORT lets in; with launch.hold_ports off, anyone's) and answers 200
     # to everything. The sessions pinned to vllm-0 move to vllm-1 (with no other replica: a 503
     # saying why), nothing reaches that process (not a prompt, not a health check, not the
     # replica's key), and vllm-0 stays down, saying why, while the port is taken.
-    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers)
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, "--set", f"launch.hold_ports={str(hold).lower()}")
     cookies = pinned_sessions(gym, replicas)
     port = kill_replica(gym, "vllm-0")
     gym.wait_log("vllm-0 exited with code -9")
@@ -636,6 +637,19 @@ def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: 
     assert logged <= LOG_BURST + LOG_RATE * (elapsed + 10), (logged, elapsed)
     dropped = re.findall(r"\[vllm-0\] \.\.\. (\d+) more lines in the last \d+ s not logged \(over 100 a second", log)
     assert dropped and sum(int(n) for n in dropped) > 0
+
+
+def test_a_vllm_that_cannot_bind_beside_the_held_port_says_what_to_do(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # An old vLLM binds without SO_REUSEPORT: the port gymproxy holds for it is in use.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=noreuse")
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    assert "exited with code 1 while starting" in gym.log and "set launch.hold_ports: false" in gym.log
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--set", "launch.hold_ports=false", *QUICK, plan="0=noreuse")
+    gyms.append(gym)
+    gym.wait_listening()
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
 
 
 def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
