@@ -563,8 +563,17 @@ class Launcher:
 
     def _down(self, replica: Replica) -> None:
         """Tell the fleet why the replica is down now (each restart that fails says so anew)."""
-        if not self._stopping.is_set() and self.on_down is not None:
-            self.on_down(replica.name, f"{replica.name} {replica.state}: {replica.error}")
+        if not self._stopping.is_set():
+            self._tell(self.on_down, replica.name, f"{replica.name} {replica.state}: {replica.error}")
+
+    def _tell(self, listener: Callable[..., None] | None, *args: str) -> None:
+        """Call `on_down` / `on_ready`; a failure there is logged, and the supervision goes on."""
+        if listener is None:
+            return
+        try:
+            listener(*args)
+        except Exception:
+            log.exception("telling the fleet of %s failed", args[0])
 
     def _fail(self, replica: Replica, why: str) -> None:
         replica.state = "failed"
@@ -611,6 +620,10 @@ class Launcher:
             if pipe is not None:
                 os.close(pipe)
             return f"cannot start {replica.argv[0]}: {exc}"
+        except BaseException:
+            if pipe is not None:
+                os.close(pipe)
+            raise
         finally:
             if isinstance(output, int):
                 os.close(output)  # the replica has its own
@@ -631,8 +644,7 @@ class Launcher:
                 replica.error = None
                 log.info("%s ready after %.0f s at %s", replica.name, replica.ready_after, replica.url)
                 self._changed.set()
-                if self.on_ready is not None:
-                    self.on_ready(replica.name)
+                self._tell(self.on_ready, replica.name)
                 hung = asyncio.ensure_future(self._until_hung(replica))
                 try:
                     await asyncio.wait({exited, hung}, return_when=asyncio.FIRST_COMPLETED)
@@ -651,8 +663,8 @@ class Launcher:
                 if replica.stranger:
                     why = f"was not ready within {self.launch.startup_timeout_s:g} s (launch.startup_timeout_s): {replica.stranger}"
             replica.state, replica.error = "down", why  # not ready from now on, for the workers' file too
-            if not self._stopping.is_set() and self.on_down is not None:
-                self.on_down(replica.name, f"{replica.name} {why}")  # before its cleanup: sessions move now
+            if not self._stopping.is_set():
+                self._tell(self.on_down, replica.name, f"{replica.name} {why}")  # before its cleanup: sessions move now
         finally:
             ready.cancel()
             await self._terminate(replica)
