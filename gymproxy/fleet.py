@@ -589,8 +589,7 @@ class Fleet:
     def hold(self, upstream: Upstream, why: str) -> None:
         """Not ready yet (a launched replica loading its model): closed, and it takes no sessions
         until it is `ready`, then joins as an upstream added live."""
-        self.close(upstream, why)
-        upstream.fresh = True
+        upstream.closed, upstream.healthy, upstream.fresh = why, False, True
 
     def ready(self, upstream: Upstream) -> None:
         """Its owner says it serves (a launched replica came up, and proved the port is its own):

@@ -211,16 +211,20 @@ def follow_file(path: Path, proxy: Proxy) -> Callable[[web.Application], AsyncIt
     seen: tuple[int, int, int] | None = None
     states: list[dict[str, Any]] = []
 
-    def read() -> None:
+    def load() -> bool:
+        """Read the file if it changed (it is replaced whole, so each write is a new inode)."""
         nonlocal seen, states
         try:
             stat = path.stat()
             if (stat.st_ino, stat.st_mtime_ns, stat.st_size) == seen:
-                return
-            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)  # replaced whole: a new inode each time
+                return False
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
             states = cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
         except (OSError, msgspec.DecodeError):
-            return
+            return False
+        return True
+
+    def apply() -> None:
         for state in states:
             if (u := fleet.find(state["name"])) is None:
                 continue
@@ -229,17 +233,18 @@ def follow_file(path: Path, proxy: Proxy) -> Callable[[web.Application], AsyncIt
             elif u.closed is not None:
                 fleet.ready(u)
 
-    read()
+    load()
     for state in states:  # not ready at startup: they join once they are, as in `follow`
         if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
-            u.fresh = True
+            fleet.hold(u, _not_ready(state))
     proxy.replicas = lambda: states
 
     async def watch(_: web.Application) -> AsyncIterator[None]:
         async def poll() -> None:
             while True:
                 await asyncio.sleep(FOLLOW_POLL_S)
-                read()
+                if load():
+                    apply()
 
         task = asyncio.ensure_future(poll())
         yield
