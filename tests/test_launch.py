@@ -536,7 +536,7 @@ def test_a_process_on_a_restarting_replicas_port_gets_no_prompt(
     # to everything. The sessions pinned to vllm-0 move to vllm-1 (with no other replica: a 503
     # saying why), nothing reaches that process (not a prompt, not a health check, not the
     # replica's key), and vllm-0 stays down, saying why, while the port is taken.
-    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, "--set", f"launch.hold_ports={str(hold).lower()}")
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, *(() if hold else ("--set", "launch.hold_ports=false")))
     cookies = pinned_sessions(gym, replicas)
     port = kill_replica(gym, "vllm-0")
     gym.wait_log("vllm-0 exited with code -9")
