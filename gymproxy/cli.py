@@ -149,6 +149,9 @@ def serve_workers(
         if not ready:
             return
         _write_states(replicas, launcher)
+        # At once, not at the next step: a worker sends nothing to a replica the file says is down.
+        launcher.on_down = lambda name, why: _write_states(replicas, launcher)
+        launcher.on_ready = lambda name: _write_states(replicas, launcher)
     fake = None
     if fake_port is not None:
         context = multiprocessing.get_context("spawn")

@@ -298,6 +298,10 @@ class Launch(Settings, frozen=True, kw_only=True):
     # restarted as if it had exited (None: never; the health checks only mark it down).
     unresponsive_s: Seconds | None = 120.0
     stop_grace_s: Seconds = 30.0  # SIGTERM, then SIGKILL of its process group after this
+    # Keep each replica's port bound (SO_REUSEPORT, never listening) while gymproxy runs, so no
+    # other user's process can take it while the replica restarts; false for a vLLM that does not
+    # set SO_REUSEPORT on its socket (it fails with "Address already in use").
+    hold_ports: bool = True
     restart: Restart = Restart()
 
 

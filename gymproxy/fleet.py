@@ -12,6 +12,11 @@ that dropped it is gone; an upstream still up chose to drop it, and the client g
 of death kills one engine, not the fleet, and opens no breaker). vLLM aborts a request whose
 connection closes, so no generation ever runs twice at once. Each upstream keeps a circuit breaker
 (`pinning.Breaker`) fed by the failures that may be re-sent, at most one per request (`Attempts`).
+
+An upstream gymproxy launched itself (a `launch.py` replica) is `closed` while its owner says it is
+not serving (loading, restarting, given up): nothing is sent to its port then, not a request and not
+a health check, because any local process may have bound that port meanwhile. Only its owner
+(`Fleet.ready`) opens it again; health checks and answers mark an open one down and up as usual.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class Upstream:
         "healthy",
         "fresh",
         "failed_checks",
+        "closed",
         "breaker",
         "meter",
         "tally",
@@ -106,6 +112,7 @@ class Upstream:
         self.healthy = True
         self.fresh = False  # added live and not yet seen healthy: takes no sessions while others can
         self.failed_checks = 0  # consecutive failed health checks
+        self.closed: str | None = None  # why its owner (the launcher) says it is not serving; see `Fleet.close`
         self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
         self.meter = Pace(config.pinning.pace.window_s)
         cap = config.limits.max_inflight_per_upstream
@@ -158,8 +165,8 @@ class Upstream:
 
     @property
     def blocked(self) -> bool:
-        """Its circuit breaker lets no request through now."""
-        return self.breaker.blocked
+        """No request may go there now: its circuit breaker is open, or its owner closed it."""
+        return self.closed is not None or self.breaker.blocked
 
     @property
     def pace(self) -> float | None:
@@ -492,7 +499,9 @@ class Fleet:
         fresh: bool = False,
     ) -> Reply:
         """One request holding an in-flight slot of `upstream` (given back if it fails); failures
-        are counted and mapped to 502/504 naming the URL."""
+        are counted and mapped to 502/504 naming the URL; a closed upstream is a 503, and nothing is sent."""
+        if upstream.closed is not None:
+            raise NoUpstream(f"upstream {upstream.url} is not serving: {upstream.closed}")
         url = upstream.urls[route]
         if query:
             url = URL(f"{url}{'&' if url.raw_query_string else '?'}{query}", encoded=True)
@@ -539,6 +548,9 @@ class Fleet:
         self.metrics.upstream_requests[(upstream.name, status)] += 1
 
     def mark(self, upstream: Upstream, healthy: bool, why: str = "") -> None:
+        """What a health check or an answer says of it; a closed upstream stays down whatever answers."""
+        if healthy and upstream.closed is not None:
+            return
         if upstream.healthy != healthy:
             upstream.healthy = healthy
             if healthy and upstream.fresh:
@@ -553,6 +565,9 @@ class Fleet:
         await asyncio.gather(*(self._check(u) for u in self.upstreams))
 
     async def _check(self, upstream: Upstream) -> None:
+        if upstream.closed is not None:  # its port may be anyone's now: nothing goes there (nor its key)
+            self.health_checks[(upstream.name, "closed")] += 1
+            return
         try:
             status, _ = await asyncio.wait_for(self._get(upstream, "health"), self.config.health.timeout)
             ok, why, result = status == 200, f"/health answered {status}", "ok" if status == 200 else "failed"
@@ -570,18 +585,26 @@ class Fleet:
             self._joined(upstream)
 
     def find(self, name: str) -> Upstream | None:
-        """The serving upstream called `name`, if any."""
-        return self.pinner.by_name.get(name)
+        """The upstream called `name` (serving, drained or on its way out), if any."""
+        return next((u for u in self.known() if u.name == name), None)
 
-    def hold(self, upstream: Upstream) -> None:
-        """Not ready yet (a launched replica loading its model): it takes no sessions until it is
-        `ready` or its first health check passes, as an upstream added live."""
-        upstream.healthy, upstream.fresh = False, True
+    def close(self, upstream: Upstream, why: str) -> None:
+        """Its owner says it is not serving (a launched replica that exited, or is not ready): it is
+        down, nothing is sent to it (requests, health checks, the startup probe), and only `ready`
+        opens it again, so a stranger that binds its port meanwhile gets nothing."""
+        upstream.closed = why
+        self.mark(upstream, False, why)
+
+    def hold(self, upstream: Upstream, why: str) -> None:
+        """Not ready yet (a launched replica loading its model): closed, and it takes no sessions
+        until it is `ready`, then joins as an upstream added live."""
+        upstream.closed, upstream.healthy, upstream.fresh = why, False, True
 
     def ready(self, upstream: Upstream) -> None:
-        """It is known to answer (a launched replica came up): healthy at once, and if it was held,
-        it joins (`Pinner.joined`), so it gets its share of the sessions that started without it.
-        A restarted one was not held: it takes new sessions only."""
+        """Its owner says it serves (a launched replica came up, and proved the port is its own):
+        open and healthy at once, and if it was held, it joins (`Pinner.joined`), so it gets its
+        share of the sessions that started without it. A restarted one takes new sessions only."""
+        upstream.closed = None
         upstream.failed_checks = 0
         self.mark(upstream, True)
         self._joined(upstream)
@@ -606,6 +629,8 @@ class Fleet:
     async def probe(self) -> None:
         """Log each upstream and whether its /v1/models answered, naming the URL tried."""
         for upstream in self.upstreams:
+            if upstream.closed is not None:
+                continue  # not serving yet: its owner reports it
             url = shown(upstream.urls["models"])
             try:
                 status, body = await asyncio.wait_for(self._get(upstream, "models"), PROBE_TIMEOUT)
@@ -679,7 +704,8 @@ class Fleet:
         yield (
             "gymproxy_health_checks_total",
             "counter",
-            "Health checks, by upstream and result (ok, failed, error: the check itself broke).",
+            "Health checks, by upstream and result (ok, failed, error: the check itself broke; "
+            "closed: not sent, its launcher says it is down).",
             lambda: [
                 (label(upstream=name, result=result), n) for (name, result), n in sorted(self.health_checks.items())
             ],

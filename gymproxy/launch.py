@@ -6,6 +6,15 @@ group on a port it keeps across restarts, so the fleet's upstream list never cha
 only tells the fleet (`on_down` / `on_ready`) when one goes down or is ready again. Until the first
 replica is ready, any failure ends startup (`LaunchFailed`); after that an exit is restarted under
 `launch.restart`. `reaper.py` stops the groups if gymproxy dies without doing so.
+
+A replica's port is a local port above 1024: while the replica restarts, another local process
+could bind it and be sent the sessions' prompts. So gymproxy holds each port itself (`hold_port`:
+bound with SO_REUSEPORT, never listening; Linux lets only the same user's sockets bind beside it,
+and vLLM sets SO_REUSEPORT), and a replica is ready only once the server on its port is proven to
+be it (`_ours`). Each replica has an API key of its own (`VLLM_API_KEY`, in its environment: argv
+is visible to every local user), which vLLM checks on `/v1/*` and the fleet sends with every
+request; the fleet sends nothing to a replica's port between `on_down` and `on_ready`. A
+replica's environment is gymproxy's without gymproxy's own secrets (`replica_environment`).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import logging
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -33,11 +43,25 @@ from .config import Config, ConfigError, Launch, UpstreamSpec
 log = logging.getLogger("gymproxy")
 
 REPLICA_ENV = "GYMPROXY_REPLICA"  # each replica's index, for wrapper scripts
+KEY_ENV = "VLLM_API_KEY"  # vLLM's API key from the environment (`--api-key` wins over it)
+# Not passed on to replicas: a client's key of OpenAI's API (vLLM uses none). HF_TOKEN is kept: vLLM
+# needs it to download a gated model.
+DROPPED_ENV = ("OPENAI_API_KEY",)
+SECRET_MIN = 8  # an environment value equal to one of gymproxy's secrets this long or longer is dropped
 TAIL_LINES = 20
 LINE_MAX = 4096  # characters of one output line kept; the rest is cut (a replica may print anything)
 READY_POLL_S = 0.5
-EXIT_POLL_S = 0.05
+EXIT_POLL_S = 0.05  # how often a replica's exit is looked for without pidfds
+REAP_POLL_S = 0.002  # ... and once its pidfd said it exited, until the child watcher has reaped it
 TAIL_BYTES = TAIL_LINES * LINE_MAX
+# A replica's output pipe is drained at most this often, in bulk (a chatty vLLM prints a line per
+# request), and is made this big meanwhile (Linux; the default is 64 KiB).
+PUMP_PAUSE_S = 0.05
+PIPE_SIZE = 1 << 20
+READ_MAX = 4 << 20  # bytes read from the pipe per wakeup, at most
+LOG_RATE = 100  # lines a second of one replica's output logged, past a burst of
+LOG_BURST = 2000  # (vLLM's startup prints a few hundred)
+DROPPED_REPORT_S = 10.0  # how often the count of lines not logged is
 HEALTH_TIMEOUT_S = 2.0
 WATCH_POLL_S = 5.0  # a ready replica's /health is asked this often (at most), for `launch.unresponsive_s`
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
@@ -57,6 +81,37 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _SECRET = re.compile(r"key|token|secret|password", re.IGNORECASE)
 
 
+class LogBudget:
+    """How many output lines may be logged: `burst` at once, then `rate` a second (a token bucket);
+    the lines it refuses are counted until `report`."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens = float(burst)
+        self.stamp = self.reported = clock()
+        self.dropped = 0
+
+    def take(self, count: int) -> int:
+        """How many of `count` lines may be logged now; the rest are counted as dropped."""
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        allowed = min(count, int(self.tokens))
+        self.tokens -= allowed
+        self.dropped += count - allowed
+        return allowed
+
+    def since_report(self) -> float:
+        return self.clock() - self.reported
+
+    def report(self) -> tuple[int, float]:
+        """The lines dropped since the last report, and over how many seconds; the count starts again."""
+        now = self.clock()
+        dropped, seconds = self.dropped, now - self.reported
+        self.dropped, self.reported = 0, now
+        return dropped, seconds
+
+
 class LaunchFailed(Exception):
     """Startup failed: no replica became ready; the message says which one failed, how, and its last lines."""
 
@@ -64,7 +119,9 @@ class LaunchFailed(Exception):
 class Replica:
     """One `vllm serve` process gymproxy keeps running, and what is known of it."""
 
-    def __init__(self, index: int, port: int, argv: list[str], env: dict[str, str], devices: list[str] | None) -> None:
+    def __init__(
+        self, index: int, port: int, argv: list[str], env: dict[str, str], devices: list[str] | None, api_key: str
+    ) -> None:
         self.index = index
         self.name = f"vllm-{index}"
         self.port = port
@@ -72,6 +129,7 @@ class Replica:
         self.argv = argv
         self.env = env
         self.devices = devices  # its CUDA_VISIBLE_DEVICES (None: left as gymproxy's)
+        self.api_key = api_key  # what vLLM checks on /v1/* (`KEY_ENV`, or the user's `--api-key`)
         self.state = "starting"
         self.process: asyncio.subprocess.Process | None = None
         self.started = 0.0  # time.monotonic() of its latest start
@@ -82,6 +140,8 @@ class Replica:
         self.error: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log_start = 0  # with `log_dir`: where its latest life's output starts in its file
+        self.stranger: str | None = None  # why the server on its port is not it, while that is so
+        self.guard: socket.socket | None = None  # what holds its port while gymproxy runs (`hold_port`)
 
     def status(self) -> dict[str, Any]:
         """What /health shows of it."""
@@ -120,7 +180,11 @@ def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher
     binary = _find(launch.vllm_bin, environ)
     groups = gpu_groups(launch, environ)
     ports = _ports(launch)
-    base = {**environ, **launch.env}
+    base = {**replica_environment(config, environ), **launch.env}
+    flag_key = _flag(launch.args, "--api-key")
+    if flag_key is not None:
+        base.pop(KEY_ENV, None)  # one key only: vLLM versions differ in which of the two wins
+    given = flag_key or launch.env.get(KEY_ENV)  # the user's own key, for every replica
     if launch.hf_home is not None:
         base["HF_HOME"] = launch.hf_home
     if launch.log_dir is not None:
@@ -133,13 +197,26 @@ def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher
         env = {**base, REPLICA_ENV: str(index)}
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        key = given
+        if key is None:
+            key = env[KEY_ENV] = secrets.token_urlsafe(32)
         argv = [binary, "serve", launch.model, *launch.args, "--host", "127.0.0.1", "--port", str(port)]
-        replicas.append(Replica(index, port, argv, env, devices))
+        replicas.append(Replica(index, port, argv, env, devices, key))
     launcher = Launcher(launch, replicas)
     launcher.model = config.model or _flag(launch.args, "--served-model-name") or launch.model
     launcher.api_key = config.api_key or _flag(launch.args, "--api-key")
     launcher.config = launcher.apply(config)
     return launcher
+
+
+def replica_environment(config: Config, environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without gymproxy's own secrets: the pin secret's variable (`pinning.secret_env`),
+    `DROPPED_ENV`, and any variable whose value is a key or secret gymproxy holds (upstream keys,
+    client keys, the pin secret). A replica runs a model's code, which has no use for them."""
+    held = {config.pinning.secret, config.api_key, *config.access.api_keys, *(u.api_key for u in config.upstreams)}
+    held = {value for value in held if value and len(value) >= SECRET_MIN}
+    dropped = {config.pinning.secret_env, *DROPPED_ENV}
+    return {name: value for name, value in environ.items() if name not in dropped and value not in held}
 
 
 def keep_replicas(read: Config, launched: Config) -> Config:
@@ -279,6 +356,25 @@ def quiet_ports(count: int, ephemeral: Path = EPHEMERAL) -> list[int]:
             sock.close()
 
 
+def hold_port(port: int) -> socket.socket | None:
+    """A socket bound to 127.0.0.1:`port` that never listens, so the port stays gymproxy's while
+    its replica restarts: with SO_REUSEPORT (and no SO_REUSEADDR) Linux lets no other user's socket
+    bind the port, whatever its options or address, while the replica (gymproxy's user; vLLM sets
+    SO_REUSEPORT) binds beside it, and connections go to the listening one only. None where the
+    platform has no SO_REUSEPORT or the port is taken."""
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    if reuse_port is None:
+        return None
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a listener could bind `host:port` now."""
     try:
@@ -341,7 +437,7 @@ class Launcher:
 
     def apply(self, config: Config) -> Config:
         """`config` with the replicas as its upstreams, and the model name and key they serve with."""
-        specs = [UpstreamSpec(url=r.url, name=r.name) for r in self.replicas]
+        specs = [UpstreamSpec(url=r.url, name=r.name, api_key=r.api_key) for r in self.replicas]
         return msgspec.structs.replace(
             config, upstreams=specs, model=config.model or self.model, api_key=config.api_key or self.api_key
         )
@@ -351,7 +447,12 @@ class Launcher:
         return [replica.status() for replica in self.replicas]
 
     async def start(self) -> None:
-        """Start the reaper and every replica (each supervised by a task of its own)."""
+        """Hold the replicas' ports, start the reaper and every replica (each supervised by a task of its own)."""
+        if self.launch.hold_ports:
+            if not hasattr(socket, "SO_REUSEPORT"):
+                log.warning("launch.hold_ports: no SO_REUSEPORT here; a replica's port is free while it restarts")
+            for replica in self.replicas:
+                replica.guard = hold_port(replica.port)  # None when taken: its start says so
         self._reaper = subprocess.Popen(
             [sys.executable, str(REAPER), str(self.launch.stop_grace_s)],
             stdin=subprocess.PIPE,
@@ -414,6 +515,10 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self._reaper.kill()
             self._reaper = None
+        for replica in self.replicas:
+            if replica.guard is not None:
+                replica.guard.close()
+                replica.guard = None
         log.info("stopped %d vLLM replica(s)", running)
 
     async def _keep(self, replica: Replica) -> None:
@@ -434,11 +539,13 @@ class Launcher:
                 replica.state = "failed"
                 replica.error = f"{why}; given up after {len(replica.restarts)} restart(s) in {policy.window_s:g} s"
                 log.error("%s %s; its last lines:\n%s", replica.name, replica.error, replica.last_lines())
+                self._down(replica)
                 return
             delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** len(replica.restarts))
             replica.restarts.append(now)
             replica.state = "restarting"
             replica.error = why
+            self._down(replica)
             log.warning(
                 "%s %s; restarting it in %g s (restart %d of at most %d in %g s); its last lines:\n%s",
                 replica.name,
@@ -454,6 +561,20 @@ class Launcher:
             except asyncio.TimeoutError:
                 pass
 
+    def _down(self, replica: Replica) -> None:
+        """Tell the fleet why the replica is down now (each restart that fails says so anew)."""
+        if not self._stopping.is_set():
+            self._tell(self.on_down, replica.name, f"{replica.name} {replica.state}: {replica.error}")
+
+    def _tell(self, listener: Callable[..., None] | None, *args: str) -> None:
+        """Call `on_down` / `on_ready`; a failure there is logged, and the supervision goes on."""
+        if listener is None:
+            return
+        try:
+            listener(*args)
+        except Exception:
+            log.exception("telling the fleet of %s failed", args[0])
+
     def _fail(self, replica: Replica, why: str) -> None:
         replica.state = "failed"
         replica.error = why
@@ -466,7 +587,9 @@ class Launcher:
     async def _run(self, replica: Replica) -> str:
         """One life of `replica`, from its start to its exit; returns why it ended."""
         replica.state, replica.ready_after, replica.process = "starting", None, None
-        if not port_free(replica.port):
+        if self.launch.hold_ports and replica.guard is None:
+            replica.guard = hold_port(replica.port)
+        if self._taken(replica):
             return f"cannot start: port {replica.port} is taken by another process"
         replica.starts += 1
         replica.started = time.monotonic()
@@ -475,8 +598,11 @@ class Launcher:
         log.info("%s starting (port %d): %s", replica.name, replica.port, command)
         # With log_dir the replica writes its file itself: its output never passes through this
         # process (vLLM logs every request), and the tail is read back from the file when needed.
-        output: IO[bytes] | int = asyncio.subprocess.PIPE
-        if self.launch.log_dir is not None:
+        pipe: int | None = None
+        output: IO[bytes] | int
+        if self.launch.log_dir is None:
+            pipe, output = _output_pipe()
+        else:
             output = self._log_path(replica).open("ab")
             output.write(f"--- gymproxy: start {replica.starts} of {replica.name}: {command}\n".encode())
             output.flush()
@@ -491,13 +617,21 @@ class Launcher:
                 start_new_session=True,  # its own process group: vLLM's EngineCore is stopped with it
             )
         except OSError as exc:
+            if pipe is not None:
+                os.close(pipe)
             return f"cannot start {replica.argv[0]}: {exc}"
+        except BaseException:
+            if pipe is not None:
+                os.close(pipe)
+            raise
         finally:
-            if not isinstance(output, int):
-                output.close()  # the replica has its own
+            if isinstance(output, int):
+                os.close(output)  # the replica has its own
+            else:
+                output.close()
         replica.process = process
         self._tell_reaper(f"+{process.pid}")
-        pump = asyncio.ensure_future(self._pump(replica, process.stdout))
+        pump = asyncio.ensure_future(self._pump(replica, pipe))
         exited = asyncio.ensure_future(_exit_of(process))
         ready = asyncio.ensure_future(self._until_ready(replica))
         try:
@@ -510,8 +644,7 @@ class Launcher:
                 replica.error = None
                 log.info("%s ready after %.0f s at %s", replica.name, replica.ready_after, replica.url)
                 self._changed.set()
-                if self.on_ready is not None:
-                    self.on_ready(replica.name)
+                self._tell(self.on_ready, replica.name)
                 hung = asyncio.ensure_future(self._until_hung(replica))
                 try:
                     await asyncio.wait({exited, hung}, return_when=asyncio.FIRST_COMPLETED)
@@ -527,8 +660,11 @@ class Launcher:
                 why = f"exited with code {exited.result()} while starting (after {time.monotonic() - replica.started:.0f} s)"
             else:
                 why = f"did not answer /health within {self.launch.startup_timeout_s:g} s (launch.startup_timeout_s)"
-            if not self._stopping.is_set() and self.on_down is not None:
-                self.on_down(replica.name, f"{replica.name} {why}")  # before its cleanup: sessions move now
+                if replica.stranger:
+                    why = f"was not ready within {self.launch.startup_timeout_s:g} s (launch.startup_timeout_s): {replica.stranger}"
+            replica.state, replica.error = "down", why  # not ready from now on, for the workers' file too
+            if not self._stopping.is_set():
+                self._tell(self.on_down, replica.name, f"{replica.name} {why}")  # before its cleanup: sessions move now
         finally:
             ready.cancel()
             await self._terminate(replica)
@@ -539,6 +675,11 @@ class Launcher:
             self._tell_reaper(f"-{process.pid}")
             self._read_tail(replica)
         replica.exit_code = process.returncode
+        if replica.ready_after is None and replica.guard is not None and self._cannot_bind(replica):
+            why += (
+                "; gymproxy holds its port with SO_REUSEPORT (launch.hold_ports), which a vLLM that does not"
+                " set SO_REUSEPORT cannot bind beside: set launch.hold_ports: false"
+            )
         return why
 
     async def _terminate(self, replica: Replica) -> None:
@@ -563,9 +704,11 @@ class Launcher:
         await _exit_of(process)
 
     async def _until_ready(self, replica: Replica) -> None:
-        """Poll the replica's /health until it answers 200, reporting progress now and then."""
+        """Poll the replica's /health until it answers 200 and the server on its port is proven to
+        be the replica (`_ours`), reporting progress now and then."""
         report = time.monotonic() + self.launch.progress_interval_s
-        while not await _healthy(replica.port):
+        replica.stranger = None
+        while not (await _healthy(replica.port) and await self._ours(replica)):
             await asyncio.sleep(READY_POLL_S)
             self._read_tail(replica)
             now = time.monotonic()
@@ -580,6 +723,37 @@ class Launcher:
                     replica.process.pid if replica.process else "-",
                     last,
                 )
+
+    def _taken(self, replica: Replica) -> bool:
+        """Whether another process has the replica's port now. Held for it (`hold_port`), only a
+        listener of gymproxy's own user can be there: /proc tells (else the replica finds out)."""
+        if replica.guard is None:
+            return not port_free(replica.port)
+        return bool(_listeners(replica.port))
+
+    async def _ours(self, replica: Replica) -> bool:
+        """Whether the server answering on the replica's port is the replica: its process runs,
+        `/v1/models` refuses a wrong API key (401) and takes its own (200), and unless gymproxy holds
+        the port for it (then only gymproxy's own user can listen there), the listening socket is
+        held by its process group (where /proc tells): the key is sent only once that is known,
+        so another user's process on the port never sees it."""
+        process = replica.process
+        if process is None or process.returncode is not None:
+            return False
+        if replica.guard is None and _holds_listener(process.pid, replica.port) is False:
+            why = f"port {replica.port} is held by another process, not by {replica.name}'s"
+        elif await _status(replica.port, "/v1/models", secrets.token_urlsafe(16)) != 401:
+            why = f"the server on port {replica.port} does not check {replica.name}'s API key (a wrong one is not refused)"
+        elif (status := await _status(replica.port, "/v1/models", replica.api_key)) != 200:
+            why = (
+                f"the server on port {replica.port} refuses {replica.name}'s API key (GET /v1/models answered {status})"
+            )
+        else:
+            return True
+        if why != replica.stranger:
+            replica.stranger = why
+            log.warning("%s is not ready: %s", replica.name, why)
+        return False
 
     async def _until_hung(self, replica: Replica) -> None:
         """Return once the ready replica's /health has not answered 200 for `launch.unresponsive_s`."""
@@ -596,33 +770,69 @@ class Launcher:
             elif time.monotonic() - answered >= limit:
                 return
 
-    async def _pump(self, replica: Replica, stream: asyncio.StreamReader | None) -> None:
-        """Copy the replica's output, line by line, to gymproxy's log (None: it writes its file)."""
-        if stream is None:
+    async def _pump(self, replica: Replica, pipe: int | None) -> None:
+        """Copy the replica's output to gymproxy's log (None: it writes its file), cheaply however
+        much it prints: the pipe is drained in bulk at most every `PUMP_PAUSE_S` (it holds
+        `PIPE_SIZE` meanwhile), lines are split in bulk, at most `LOG_RATE` a second are logged
+        past a burst of `LOG_BURST` (the others are counted, and the count logged), and only the
+        last `TAIL_LINES` of each read are kept for error messages."""
+        if pipe is None:
             return
+        loop = asyncio.get_running_loop()
+        budget = LogBudget(LOG_RATE, LOG_BURST)
         pending = b""
-        while True:
-            chunk = await stream.read(65536)
-            if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            if len(pending) > 4 * LINE_MAX:  # no newline in sight: take it as a line
-                lines.append(pending)
-                pending = b""
-            for line in lines:
-                self._line(replica, line)
-        if pending:
-            self._line(replica, pending)
+        try:
+            while True:
+                readable = loop.create_future()
+                loop.add_reader(pipe, _wake, readable)
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(pipe)
+                data, ended = _drain(pipe)
+                lines = (pending + data).split(b"\n")
+                pending = b"" if ended else lines.pop()
+                if len(pending) > 4 * LINE_MAX:  # no newline in sight: take it as a line
+                    lines.append(pending)
+                    pending = b""
+                self._lines(replica, lines, budget)
+                if ended:
+                    break
+                await asyncio.sleep(PUMP_PAUSE_S)
+        finally:
+            os.close(pipe)
+            if budget.dropped:
+                self._report_dropped(replica, budget)
 
-    def _line(self, replica: Replica, raw: bytes) -> None:
-        text = shown_line(raw)
-        if not text.strip():
+    def _lines(self, replica: Replica, lines: list[bytes], budget: LogBudget) -> None:
+        """Some of the replica's output lines: the last few go to its tail, as many as the
+        budget allows to the log."""
+        lines = [line for line in lines if line.strip()]
+        if not lines:
             return
-        replica.tail.append(text)
         if replica.state == "starting":
             replica.state = "loading"
-        log.info("[%s] %s", replica.name, text)
+        replica.tail.extend(text for text in map(shown_line, lines[-TAIL_LINES:]) if text.strip())
+        for raw in lines[: budget.take(len(lines))]:
+            text = shown_line(raw)
+            if text.strip():
+                log.info("[%s] %s", replica.name, text)
+        if budget.dropped and budget.since_report() >= DROPPED_REPORT_S:
+            self._report_dropped(replica, budget)
+
+    def _report_dropped(self, replica: Replica, budget: LogBudget) -> None:
+        dropped, seconds = budget.report()
+        log.info(
+            "[%s] ... %d more lines in the last %.0f s not logged (over %d a second; launch.log_dir keeps them all)",
+            replica.name,
+            dropped,
+            seconds,
+            LOG_RATE,
+        )
+
+    def _cannot_bind(self, replica: Replica) -> bool:
+        """Its last lines say it could not bind its port."""
+        return any("address already in use" in line.lower() for line in replica.tail)
 
     def _read_tail(self, replica: Replica) -> None:
         """With `log_dir`: the last lines of the replica's latest life, from its file."""
@@ -658,27 +868,146 @@ class Launcher:
 
 
 async def _exit_of(process: asyncio.subprocess.Process) -> int:
-    """Its exit code once it has exited. (`Process.wait()` on asyncio's own loop also waits until
-    every holder of its output pipe has closed it, and vLLM's EngineCore holds it.)"""
-    while process.returncode is None:
-        await asyncio.sleep(EXIT_POLL_S)
+    """Its exit code once it has exited, known within a millisecond where a pidfd tells (Linux):
+    the fleet must stop sending to its port before anyone else can bind it. (`Process.wait()` on
+    asyncio's own loop also waits until every holder of its output pipe has closed it, and vLLM's
+    EngineCore holds it.)"""
+    poll = EXIT_POLL_S
+    if process.returncode is None and await _pidfd_exit(process.pid):
+        poll = REAP_POLL_S
+    while process.returncode is None:  # set once the loop's child watcher has reaped it
+        await asyncio.sleep(poll)
     return process.returncode
+
+
+async def _pidfd_exit(pid: int) -> bool:
+    """Wait for process `pid` to exit; False at once where pidfds are not available."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return False
+    loop = asyncio.get_running_loop()
+    gone = loop.create_future()
+    try:
+        loop.add_reader(pidfd, _wake, gone)
+        try:
+            await gone
+        finally:
+            loop.remove_reader(pidfd)
+    finally:
+        os.close(pidfd)
+    return True
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    """A reader callback: its fd is readable (it may be called again before the waiter runs)."""
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 async def _healthy(port: int, timeout: float = HEALTH_TIMEOUT_S) -> bool:
     """Whether `GET /health` on the port answers 200 within `timeout` (each of connect and reply)."""
+    return await _status(port, "/health", timeout=timeout) == 200
+
+
+async def _status(port: int, path: str, key: str | None = None, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
+    """The status of `GET path` on the port (with `key` as the bearer token), None when no status
+    line came within `timeout` (each of connect and reply)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     except (OSError, asyncio.TimeoutError):
-        return False
+        return None
+    auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
     try:
-        writer.write(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        writer.write(b"GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n%s\r\n" % (path.encode(), auth))
         line = await asyncio.wait_for(reader.readline(), timeout)
-        return line.split(b" ", 2)[1:2] == [b"200"]
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return False
+        return int(line.split(b" ", 2)[1])
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+        return None
     finally:
         writer.close()
+
+
+def _holds_listener(pgid: int, port: int) -> bool | None:
+    """Whether every socket listening on TCP `port` is held by a process of group `pgid`; None
+    where /proc cannot tell (not Linux, or its tables are unreadable)."""
+    listening = _listeners(port)
+    if listening is None:
+        return None
+    if not listening:
+        return False
+    held: set[str] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            if Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2] != str(pgid):
+                continue
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except (OSError, IndexError):
+            continue  # gone, or not ours to read
+        for fd in fds:
+            try:
+                held.add(os.readlink(f"/proc/{entry}/fd/{fd}"))
+            except OSError:
+                continue
+    return all(f"socket:[{inode}]" in held for inode in listening)
+
+
+def _listeners(port: int) -> set[str] | None:
+    """The inodes of the sockets listening on TCP `port` (IPv4 and IPv6), from /proc/net; None if unreadable."""
+    found: set[str] = set()
+    needle = f":{port:04X} "
+    read = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            text = Path(table).read_text()
+        except OSError:
+            continue
+        read = True
+        for line in text.splitlines()[1:]:
+            if needle not in line:
+                continue
+            fields = line.split()
+            # sl, local address, remote address, state (0A: LISTEN), ..., inode (the tenth)
+            if len(fields) > 9 and fields[1].endswith(needle.rstrip()) and fields[3] == "0A":
+                found.add(fields[9])
+    return found if read else None
+
+
+def _output_pipe() -> tuple[int, int]:
+    """A pipe for a replica's output (read end non-blocking), made `PIPE_SIZE` big where allowed."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    try:
+        import fcntl
+
+        fcntl.fcntl(write, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_SIZE)
+    except (ImportError, OSError):
+        pass  # the default size: a flood of output waits on the pipe a little sooner
+    return read, write
+
+
+def _drain(pipe: int) -> tuple[bytes, bool]:
+    """What can be read from the pipe now (up to `READ_MAX`), and whether it has ended."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < READ_MAX:
+        try:
+            chunk = os.read(pipe, PIPE_SIZE)
+        except BlockingIOError:
+            return b"".join(chunks), False
+        except OSError:
+            return b"".join(chunks), True
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), False
 
 
 def _signal_group(pgid: int, signum: int) -> None:

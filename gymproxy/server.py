@@ -42,6 +42,7 @@ log = logging.getLogger("gymproxy")
 # aiohttp's own backstop after the grace: a handler still running then (one stuck writing to a
 # client that reads nothing) is cancelled.
 BACKSTOP_S = 5.0
+FOLLOW_POLL_S = 0.02  # how often a worker looks at the replicas' states its parent writes (a stat)
 # A young-generation collection runs once this many more container objects were made than freed.
 GC_THRESHOLD = 20_000
 ADMIN_BACKLOG = 128  # the admin port's listen backlog (aiohttp's default)
@@ -144,7 +145,7 @@ async def _serve_app(
     if launcher is not None:
         follow(launcher, proxy)
     elif replicas is not None:
-        follow_file(replicas, proxy)
+        app.cleanup_ctx.append(follow_file(replicas, proxy))
     access_log = logging.getLogger("aiohttp.access") if config.access_log else None
     runner = _runner(app, config, access_log, config.shutdown_grace_s + BACKSTOP_S)
     await runner.setup()
@@ -191,44 +192,82 @@ def _runner(app: web.Application, config: Config, access_log: logging.Logger | N
 
 
 def follow(launcher: Launcher, proxy: Proxy) -> None:
-    """Keep the fleet in step with the replicas: one that exits is down at once (its sessions move
-    on their next request), one ready again takes new sessions at once; /health lists them all.
-    A replica not ready yet takes no sessions, as an upstream added live (`Upstream.fresh`)."""
+    """Keep the fleet in step with the replicas: one that exits is closed at once (its sessions
+    move on their next request, and nothing more goes to its port, whoever binds it next), one
+    ready again takes new sessions at once; /health lists them all. A replica not ready yet takes
+    no sessions until it is, then joins as an upstream added live (`Upstream.fresh`)."""
     fleet = proxy.fleet
     proxy.replicas = launcher.states
 
     def down(name: str, why: str) -> None:
         if (u := fleet.find(name)) is not None:
-            fleet.mark(u, False, why)
+            fleet.close(u, why)
 
     def ready(name: str) -> None:
         if (u := fleet.find(name)) is not None:
             fleet.ready(u)
 
     launcher.on_down, launcher.on_ready = down, ready
-    _hold_unready(proxy, launcher.states())
-
-
-def follow_file(path: Path, proxy: Proxy) -> None:
-    """A worker's view of the replicas its parent runs: their states for /health from `path`; the
-    fleet learns of their changes by itself (a refused request, a health check)."""
-
-    def states() -> list[dict[str, Any]]:
-        try:
-            return cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
-        except (OSError, msgspec.DecodeError):
-            return []
-
-    proxy.replicas = states
-    _hold_unready(proxy, states())
-
-
-def _hold_unready(proxy: Proxy, states: list[dict[str, Any]]) -> None:
-    """Replicas not ready yet take no sessions until their first health check passes."""
-    fleet = proxy.fleet
-    for state in states:
+    for state in launcher.states():
         if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
-            fleet.hold(u)
+            fleet.hold(u, _not_ready(state))
+
+
+def follow_file(path: Path, proxy: Proxy) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A worker's view of the replicas its parent runs, from the states it writes to `path`:
+    /health shows them, and the fleet opens and closes each replica as they say (looked at every
+    `FOLLOW_POLL_S`). A worker never opens a replica by itself: a closed one waits for the file
+    to say it is ready. Returns the app's cleanup context that runs the watch."""
+    fleet = proxy.fleet
+    seen: tuple[int, int, int] | None = None
+    states: list[dict[str, Any]] = []
+
+    def load() -> bool:
+        """Read the file if it changed (it is replaced whole, so each write is a new inode)."""
+        nonlocal seen, states
+        try:
+            stat = path.stat()
+            if (stat.st_ino, stat.st_mtime_ns, stat.st_size) == seen:
+                return False
+            seen = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            states = cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
+        except (OSError, msgspec.DecodeError):
+            return False
+        return True
+
+    def apply() -> None:
+        for state in states:
+            if (u := fleet.find(state["name"])) is None:
+                continue
+            if state["state"] != "ready":
+                fleet.close(u, _not_ready(state))  # again when only its reason changed
+            elif u.closed is not None:
+                fleet.ready(u)
+
+    load()
+    for state in states:  # not ready at startup: they join once they are, as in `follow`
+        if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
+            fleet.hold(u, _not_ready(state))
+    proxy.replicas = lambda: states
+
+    async def watch(_: web.Application) -> AsyncIterator[None]:
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(FOLLOW_POLL_S)
+                if load():
+                    apply()
+
+        task = asyncio.ensure_future(poll())
+        yield
+        task.cancel()
+
+    return watch
+
+
+def _not_ready(state: dict[str, Any]) -> str:
+    """Why a replica takes no requests, from its /health entry."""
+    why = f"{state['name']} is {state['state']}"
+    return f"{why}: {state['error']}" if state.get("error") else why
 
 
 def _reloader(proxy: Proxy, reload: Callable[[], Config] | None) -> Callable[[], None]:

@@ -6,18 +6,27 @@ a test can check that the whole process group goes. What each start of each repl
 FAKE_VLLM_PLAN, e.g. `0=ok,exit3;1=slow2`: replica 0 serves on its first start and exits with 3 on
 every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit<code>` (before
 listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
-`stubborn` (serves, ignoring SIGTERM). The last action of a list repeats; unlisted replicas are `ok`.
-Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids.
+`stubborn` (serves, ignoring SIGTERM), `chatty<lines a second>` (serves, printing that many lines
+a second, each flushed, as vLLM's logging does), `nokey` (serves, checking no API key, as a
+wrapper that drops VLLM_API_KEY would), `noreuse` (binds without SO_REUSEPORT, as an old vLLM). The last action of a list repeats; unlisted
+replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids
+and writes its environment to $FAKE_VLLM_DIR/env-<replica>-<start>.json.
+
+As vLLM does, it checks an API key on every `/v1/*` route when it has one (`--api-key`, else
+$VLLM_API_KEY): a request without `Authorization: Bearer <key>` gets 401; `/health` stays open.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 
 def plan(replica: str) -> list[str]:
@@ -49,6 +58,7 @@ def main() -> None:
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with (state / "pids").open("a") as out:
         out.write(f"{replica} {start} {os.getpid()} {engine.pid}\n")
+    (state / f"env-{replica}-{start}.json").write_text(json.dumps(dict(os.environ)))
     print(f"INFO fake vllm {model}: replica {replica} start {start}: {action}", flush=True)
     print(f"INFO args: {' '.join(args)}", flush=True)
     print(f"INFO CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}", flush=True)
@@ -69,20 +79,49 @@ def main() -> None:
         sys.stdout.flush()
     if action == "stubborn":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action.startswith("chatty"):
+        threading.Thread(target=chatter, args=(float(action[6:]),), daemon=True).start()
 
     from aiohttp import web
 
     from gymproxy.testing.fake_vllm import FakeVLLM
 
+    app = FakeVLLM(model=model, max_model_len=4096).app
+    key = flag(args, "--api-key", "") if "--api-key" in args else os.environ.get("VLLM_API_KEY", "")
+    if key and action != "nokey":
+
+        @web.middleware
+        async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path.startswith("/v1") and request.headers.get("Authorization") != f"Bearer {key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        app.middlewares.append(authenticate)
     print(f"INFO Starting vLLM API server on http://127.0.0.1:{port}", flush=True)
     web.run_app(
-        FakeVLLM(model=model, max_model_len=4096).app,
+        app,
         host="127.0.0.1",
         port=port,
         handler_cancellation=True,
         print=None,
         handle_signals=action != "stubborn",
+        reuse_port=action != "noreuse",  # as vLLM: gymproxy holds the port (launch.hold_ports)
     )
+
+
+def chatter(per_second: float) -> None:
+    """Print `per_second` lines a second, each flushed, for ever (a replica that logs every request)."""
+    count = 0
+    started = time.monotonic()
+    while True:
+        count += 1
+        print(
+            f"INFO 01-01 00:00:00 [logger.py:43] Received request chatcmpl-{count}: prompt: 'hi', params: ...",
+            flush=True,
+        )
+        ahead = count / per_second - (time.monotonic() - started)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +30,8 @@ import yaml
 from gymproxy import cli
 from gymproxy.config import ConfigError, Launch, build_config, load_config, to_vllm_args
 from gymproxy.launch import (
+    LOG_BURST,
+    LOG_RATE,
     PORT_FLOOR,
     REPLICA_ENV,
     gpu_groups,
@@ -39,6 +43,7 @@ from gymproxy.launch import (
 )
 
 FAKE = Path(__file__).with_name("fake_vllm_serve.py")
+THIEF = Path(__file__).with_name("port_thief.py")
 WAIT_S = 60.0  # generous: the machine may be busy; no test waits this long when it passes
 
 
@@ -160,6 +165,13 @@ class Gym:
         assert status != 200 or data["choices"][0]["message"]["content"] == "echo: hi", data
         return status, new
 
+    def checks(self, name: str) -> int:
+        """Health checks of upstream `name` so far, over every worker (/metrics)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        found = re.findall(rf'gymproxy_health_checks_total{{upstream="{name}",result="\w+"}} (\d+)', text)
+        return sum(int(n) for n in found)
+
     def pids(self) -> list[int]:
         """Every process of every replica start (each fake and its child)."""
         path = self.state / "pids"
@@ -197,6 +209,7 @@ def pinned_to(cookie: str | None) -> str | None:
 
 
 QUICK = ("--set", "launch.restart.backoff_s=0.1", "--set", "launch.stop_grace_s=2")
+CHAT_HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 # --- the lifecycle, through the real command ----------------------------------------------
@@ -378,6 +391,265 @@ def test_sigterm_kills_a_replica_that_ignores_it_after_the_grace(tmp_path: Path,
     assert gym.stop() == 0
     assert "vllm-0 did not stop in 2 s: killing it" in gym.log
     assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # one another user may run
+
+
+class Thief:
+    """`port_thief.py` as a process (as `user`, with the system's python3; else as this one), and
+    what it printed."""
+
+    def __init__(self, port: int, seconds: float, user: int | None = None) -> None:
+        python, who = sys.executable, {}
+        if user is not None:
+            assert SYSTEM_PYTHON is not None
+            python, who = SYSTEM_PYTHON, {"user": user, "group": user, "extra_groups": []}
+        self.process = subprocess.Popen(
+            [python, str(THIEF), str(port), str(seconds)],
+            stdout=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+            **who,
+        )
+        self.events: list[dict[str, Any]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        wait_until(lambda: self.events or self.process.poll() is not None, "the thief to start")
+        assert self.events, f"the thief exited with {self.process.returncode}"
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.events.append(json.loads(line))
+
+    def got(self) -> list[str]:
+        """What it was sent: `METHOD path` (`+key`: with a bearer token)."""
+        return [
+            f"{e['method']} {e['path']}{' +key' if e['key'] else ''}" for e in self.events if e["event"] == "request"
+        ]
+
+    def bound(self) -> bool:
+        return any(e["event"] == "bound" for e in self.events)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.reader.join(10)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
+def kill_replica(gym: Gym, name: str) -> int:
+    """SIGKILL replica `name`; its port."""
+    replica = gym.replica(name)
+    os.kill(replica["pid"], signal.SIGKILL)
+    return int(replica["url"].rsplit(":", 1)[1].split("/")[0])
+
+
+def pinned_sessions(gym: Gym, replicas: int) -> list[str | None]:
+    """A few pin cookies naming vllm-0 ([None] with one replica: nothing is pinned)."""
+    if replicas == 1:
+        return [None]
+    cookies = [c for c in (gym.chat()[1] for _ in range(40)) if pinned_to(c) == "vllm-0"][:4]
+    assert cookies, "no session was pinned to vllm-0"
+    return cookies
+
+
+def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, *args: str) -> Gym:
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny",
+        "--replicas",
+        str(replicas),
+        "--workers",
+        str(workers),
+        "--set",
+        "launch.restart.backoff_s=1",
+        "--set",
+        "launch.stop_grace_s=2",
+        "--set",
+        "health.interval=0.2",
+        *args,
+    )
+    gyms.append(gym)
+    wait_until(lambda: gym.log.count(" listening on http://") == workers or gym.process.poll() is not None, "serving")
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "the replicas ready")
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "the upstreams healthy")
+    return gym
+
+
+def rounds_of_checks(gym: Gym, workers: int) -> None:
+    """A few more rounds of the fleet's health checks (counted on vllm-0, sent or not)."""
+    checks = gym.checks("vllm-0")
+    wait_until(lambda: gym.checks("vllm-0") >= checks + 4 * workers, "a few rounds of health checks")
+
+
+SCENARIOS = [(2, 1), (2, 2), (1, 1)]  # (replicas, workers)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or SYSTEM_PYTHON is None, reason="runs a process as another user (needs root and a python3)"
+)
+@pytest.mark.parametrize(("replicas", "workers"), SCENARIOS)
+def test_another_user_cannot_take_a_restarting_replicas_port(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int
+):
+    # Another local user's process tries, every millisecond and every way there is, to bind
+    # vllm-0's port, from before vllm-0 is killed until after it has restarted: gymproxy holds
+    # the port (launch.hold_ports), so it never gets it; vllm-0 comes back, and every session's
+    # request is answered by a replica.
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers)
+    cookies = pinned_sessions(gym, replicas)
+    port = int(gym.replica("vllm-0")["url"].rsplit(":", 1)[1].split("/")[0])
+    thief = Thief(port, 30, user=65534)
+    try:
+        kill_replica(gym, "vllm-0")
+        taken = f"cannot start: port {port} is taken by another process"
+        wait_until(
+            lambda: (
+                (r := gym.replica("vllm-0"))["starts"] == 2 and r["state"] == "ready" or taken in (r["error"] or "")
+            ),
+            "vllm-0 restarted (or kept from its port)",
+        )
+        rounds_of_checks(gym, workers)
+        answers = [gym.post("/v1/chat/completions", CHAT_HI, cookies[i % len(cookies)]) for i in range(40)]
+        robbed = sum(1 for _, data, _ in answers if data.get("id") == "stranger")
+        got = thief.got()
+        assert not robbed and not got, f"{robbed} of 40 answered by the thief; it got {len(got)}: {got[:5]}"
+        assert not thief.bound()
+        assert [status for status, _, _ in answers] == [200] * 40
+        assert gym.replica("vllm-0")["state"] == "ready" and gym.upstream("vllm-0")["healthy"]
+    finally:
+        thief.stop()
+    assert gym.stop() == 0
+
+
+@pytest.mark.parametrize(("replicas", "workers", "hold"), [(*s, True) for s in SCENARIOS] + [(2, 1, False)])
+def test_a_process_on_a_restarting_replicas_port_gets_no_prompt(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, hold: bool
+):
+    # vllm-0 is killed; once gymproxy has seen it go, a process binds its port (here of gymproxy's
+    # own user, which SO_REUSEPORT lets in; with launch.hold_ports off, anyone's) and answers 200
+    # to everything. The sessions pinned to vllm-0 move to vllm-1 (with no other replica: a 503
+    # saying why), nothing reaches that process (not a prompt, not a health check, not the
+    # replica's key), and vllm-0 stays down, saying why, while the port is taken.
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, *(() if hold else ("--set", "launch.hold_ports=false")))
+    cookies = pinned_sessions(gym, replicas)
+    port = kill_replica(gym, "vllm-0")
+    gym.wait_log("vllm-0 exited with code -9")
+    thief = Thief(port, 60)
+    try:
+        wait_until(thief.bound, "the thief on the port")
+        taken = f"cannot start: port {port} is taken by another process"
+        wait_until(lambda: taken in (gym.replica("vllm-0")["error"] or ""), "the launcher to find its port taken")
+        rounds_of_checks(gym, workers)  # none of them may bring vllm-0 back
+        answers = [gym.post("/v1/chat/completions", CHAT_HI, cookies[i % len(cookies)]) for i in range(40)]
+        robbed = sum(1 for _, data, _ in answers if data.get("id") == "stranger")
+        got = thief.got()
+        assert not robbed and not got, f"{robbed} of 40 answered by the thief; it got {len(got)}: {got[:5]}"
+        if replicas > 1:
+            assert [status for status, _, _ in answers] == [200] * 40
+            assert all(pinned_to(new) == "vllm-1" for _, _, new in answers if new)
+        else:
+            assert [status for status, _, _ in answers] == [503] * 40
+            message = answers[0][1]["error"]["message"]
+            assert f"upstream http://127.0.0.1:{port}/v1 is not serving: vllm-0 " in message and taken in message
+        assert gym.upstream("vllm-0")["state"] == "down" and not gym.upstream("vllm-0")["healthy"]
+        assert gym.replica("vllm-0")["state"] in ("starting", "restarting", "failed")
+        assert taken in gym.replica("vllm-0")["error"]
+    finally:
+        thief.stop()
+    assert gym.stop() == 0
+
+
+def test_replicas_serve_with_a_key_of_their_own_and_none_of_gymproxys_secrets(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    secrets_env = {"GYMPROXY_PIN_SECRET": "pin-secret-of-gymproxy", "OPENAI_API_KEY": "sk-client-key"}
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny",
+        "--replicas",
+        "2",
+        *QUICK,
+        env={**secrets_env, "HF_TOKEN": "hf_for_gated_models"},
+    )
+    gyms.append(gym)
+    gym.wait_listening()
+    wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
+    assert gym.chat()[0] == 200
+    keys = []
+    for replica in gym.health()["replicas"]:
+        index = replica["name"].split("-")[1]
+        env = json.loads((gym.state / f"env-{index}-1.json").read_text())
+        assert not set(secrets_env) & set(env) and env["HF_TOKEN"] == "hf_for_gated_models"
+        key = env["VLLM_API_KEY"]
+        keys.append(key)
+        assert key.encode() not in Path(f"/proc/{replica['pid']}/cmdline").read_bytes()  # `ps` shows argv
+        # The replica takes nothing without its key: only gymproxy, which has it, gets answers.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(replica["url"] + "/models", timeout=10)
+        assert refused.value.code == 401
+        refused.value.close()
+        request = urllib.request.Request(replica["url"] + "/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            assert reply.status == 200
+    assert len(set(keys)) == 2
+    health = json.dumps(gym.health())
+    assert gym.stop() == 0
+    assert not [key for key in keys if key in health or key in gym.log]
+
+
+def test_a_server_that_does_not_check_the_replicas_key_is_not_taken_for_it(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    # What answers on the port must prove it is the replica: a server that takes any key (here the
+    # replica itself, run by a wrapper that dropped VLLM_API_KEY) is never ready.
+    gym = Gym(
+        tmp_path, vllm_bin, "--launch-vllm", "tiny", "--set", "launch.startup_timeout_s=4", *QUICK, plan="0=nokey"
+    )
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    log = gym.log
+    assert "vllm-0 is not ready: the server on port" in log and "does not check vllm-0's API key" in log
+    assert "vllm-0 was not ready within 4 s (launch.startup_timeout_s): the server on port" in log
+    assert " listening on " not in log
+
+
+def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # A vLLM logs a line per request: past a burst, at most LOG_RATE lines a second reach
+    # gymproxy's log, and the number left out is logged instead.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=chatty5000")
+    gyms.append(gym)
+    gym.wait_listening()
+    started = time.monotonic()
+    wait_until(lambda: gym.log.count("Received request") > LOG_BURST + LOG_RATE // 2, "the burst spent")
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
+    elapsed = time.monotonic() - started
+    log = gym.log
+    logged = log.count("Received request")
+    assert logged <= LOG_BURST + LOG_RATE * (elapsed + 10), (logged, elapsed)
+    dropped = re.findall(r"\[vllm-0\] \.\.\. (\d+) more lines in the last \d+ s not logged \(over 100 a second", log)
+    assert dropped and sum(int(n) for n in dropped) > 0
+
+
+def test_a_vllm_that_cannot_bind_beside_the_held_port_says_what_to_do(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # An old vLLM binds without SO_REUSEPORT: the port gymproxy holds for it is in use.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=noreuse")
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    assert "exited with code 1 while starting" in gym.log and "set launch.hold_ports: false" in gym.log
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--set", "launch.hold_ports=false", *QUICK, plan="0=noreuse")
+    gyms.append(gym)
+    gym.wait_listening()
+    assert gym.chat()[0] == 200
+    assert gym.stop() == 0
 
 
 def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
@@ -586,7 +858,7 @@ def test_replica_command_lines_and_environment(tmp_path: Path):
         },
         environ={},
     )
-    launcher = prepare(config, {"PATH": "/usr/bin"})
+    launcher = prepare(config, {"PATH": "/usr/bin", "VLLM_API_KEY": "inherited"})
     first, second = launcher.replicas
     assert first.argv[1:] == [
         "serve",
@@ -609,8 +881,47 @@ def test_replica_command_lines_and_environment(tmp_path: Path):
     served = launcher.config
     assert [(u.name, u.url) for u in served.upstreams] == [("vllm-0", first.url), ("vllm-1", second.url)]
     assert served.model == "qwen" and served.api_key == "se cret"
+    # The user's --api-key is the replicas' key, and the only one: no VLLM_API_KEY beside it.
+    assert [u.api_key for u in served.upstreams] == ["se cret", "se cret"]
+    assert "VLLM_API_KEY" not in first.env and "VLLM_API_KEY" not in second.env
     assert "--api-key **** " in shown_command(first.argv) and "se cret" not in shown_command(first.argv)
     assert shown_command(["x", "--hf-token=abc"]) == "x --hf-token=****"
+
+
+def test_each_replica_gets_a_key_of_its_own_and_none_of_gymproxys_secrets(tmp_path: Path):
+    config = build_config(
+        {
+            "port": 0,
+            "api_key": "upstream-key-of-gymproxy",
+            "access": {"api_keys": ["client-key-of-gymproxy"]},
+            "pinning": {"secret_env": "MY_PIN_SECRET"},
+            "launch": {"model": "m", "replicas": 2, "vllm_bin": "/bin/sh", "env": {"OPENAI_API_KEY": "given"}},
+        },
+        environ={},
+    )
+    environ = {
+        "PATH": "/usr/bin",
+        "MY_PIN_SECRET": "pin-secret",
+        "OPENAI_API_KEY": "sk-client",
+        "HF_TOKEN": "hf_gated_models",  # vLLM needs it to download a gated model
+        "UPSTREAM_KEY": "upstream-key-of-gymproxy",
+        "CLIENT_KEYS": "client-key-of-gymproxy",
+        "SHORT": "EMPTY",
+        "VLLM_API_KEY": "inherited",
+    }
+    launcher = prepare(config, environ)
+    first, second = launcher.replicas
+    for replica in (first, second):
+        assert replica.env["HF_TOKEN"] == "hf_gated_models" and replica.env["SHORT"] == "EMPTY"
+        assert replica.env["OPENAI_API_KEY"] == "given"  # launch.env is the user's word
+        assert not {"MY_PIN_SECRET", "UPSTREAM_KEY", "CLIENT_KEYS"} & set(replica.env)
+        assert replica.env["VLLM_API_KEY"] == replica.api_key and len(replica.api_key) >= 32
+        assert replica.api_key not in " ".join(replica.argv)  # argv is for every local user to see
+    assert first.api_key != second.api_key
+    assert [u.api_key for u in launcher.config.upstreams] == [first.api_key, second.api_key]
+    plain = build_config({"port": 0, "launch": {"model": "m", "vllm_bin": "/bin/sh"}}, environ={})
+    assert "OPENAI_API_KEY" not in prepare(plain, environ).replicas[0].env
+    assert "GYMPROXY_PIN_SECRET" not in prepare(plain, {"GYMPROXY_PIN_SECRET": "p", "PATH": "/usr/bin"}).replicas[0].env
 
 
 def test_replica_ports_are_free_and_outside_the_ephemeral_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
