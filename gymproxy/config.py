@@ -299,9 +299,10 @@ class Launch(Settings, frozen=True, kw_only=True):
     unresponsive_s: Seconds | None = 120.0
     stop_grace_s: Seconds = 30.0  # SIGTERM, then SIGKILL of its process group after this
     # Keep each replica's port bound (SO_REUSEPORT, never listening) while gymproxy runs, so no
-    # other user's process can take it while the replica restarts; false for a vLLM that does not
-    # set SO_REUSEPORT on its socket (it fails with "Address already in use").
-    hold_ports: bool = True
+    # other user's process can take it while the replica restarts. Only for a vLLM that binds with
+    # SO_REUSEPORT (vLLM 0.32 does with `--api-server-count` > 1; with one API server it fails
+    # with "Address already in use").
+    hold_ports: bool = False
     restart: Restart = Restart()
 
 

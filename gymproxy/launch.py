@@ -360,7 +360,7 @@ def hold_port(port: int) -> socket.socket | None:
     """A socket bound to 127.0.0.1:`port` that never listens, so the port stays gymproxy's while
     its replica restarts: with SO_REUSEPORT (and no SO_REUSEADDR) Linux lets no other user's socket
     bind the port, whatever its options or address, while the replica (gymproxy's user; vLLM sets
-    SO_REUSEPORT) binds beside it, and connections go to the listening one only. None where the
+    SO_REUSEPORT with `--api-server-count` > 1) binds beside it, and connections go to the listening one only. None where the
     platform has no SO_REUSEPORT or the port is taken."""
     reuse_port = getattr(socket, "SO_REUSEPORT", None)
     if reuse_port is None:

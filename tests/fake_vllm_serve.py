@@ -8,7 +8,9 @@ every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit
 listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
 `stubborn` (serves, ignoring SIGTERM), `chatty<lines a second>` (serves, printing that many lines
 a second, each flushed, as vLLM's logging does), `nokey` (serves, checking no API key, as a
-wrapper that drops VLLM_API_KEY would), `noreuse` (binds without SO_REUSEPORT, as an old vLLM). The last action of a list repeats; unlisted
+wrapper that drops VLLM_API_KEY would), and `noreuse`. It binds its port as vLLM 0.32 does with one API server: SO_REUSEADDR, no
+SO_REUSEPORT; with FAKE_VLLM_REUSE_PORT=1, with SO_REUSEPORT too (as vLLM's `--api-server-count` > 1,
+which `launch.hold_ports` needs), unless the action is `noreuse`. The last action of a list repeats; unlisted
 replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids
 and writes its environment to $FAKE_VLLM_DIR/env-<replica>-<start>.json.
 
@@ -105,7 +107,7 @@ def main() -> None:
         handler_cancellation=True,
         print=None,
         handle_signals=action != "stubborn",
-        reuse_port=action != "noreuse",  # as vLLM: gymproxy holds the port (launch.hold_ports)
+        reuse_port=os.environ.get("FAKE_VLLM_REUSE_PORT") == "1" and action != "noreuse",
     )
 
 

@@ -456,7 +456,13 @@ def pinned_sessions(gym: Gym, replicas: int) -> list[str | None]:
     return cookies
 
 
-def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, *args: str) -> Gym:
+HOLD = ("--set", "launch.hold_ports=true")  # with replicas that bind with SO_REUSEPORT (HOLDABLE)
+HOLDABLE = {"FAKE_VLLM_REUSE_PORT": "1"}
+
+
+def launched(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, workers: int, *args: str, hold: bool = False
+) -> Gym:
     gym = Gym(
         tmp_path,
         vllm_bin,
@@ -472,7 +478,9 @@ def launched(tmp_path: Path, vllm_bin: Path, gyms: list[Gym], replicas: int, wor
         "launch.stop_grace_s=2",
         "--set",
         "health.interval=0.2",
+        *(HOLD if hold else ()),
         *args,
+        env=HOLDABLE if hold else None,
     )
     gyms.append(gym)
     wait_until(lambda: gym.log.count(" listening on http://") == workers or gym.process.poll() is not None, "serving")
@@ -499,9 +507,9 @@ def test_another_user_cannot_take_a_restarting_replicas_port(
 ):
     # Another local user's process tries, every millisecond and every way there is, to bind
     # vllm-0's port, from before vllm-0 is killed until after it has restarted: gymproxy holds
-    # the port (launch.hold_ports), so it never gets it; vllm-0 comes back, and every session's
-    # request is answered by a replica.
-    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers)
+    # the port (launch.hold_ports, with a vLLM that binds with SO_REUSEPORT), so it never gets it;
+    # vllm-0 comes back, and every session's request is answered by a replica.
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, hold=True)
     cookies = pinned_sessions(gym, replicas)
     port = int(gym.replica("vllm-0")["url"].rsplit(":", 1)[1].split("/")[0])
     thief = Thief(port, 30, user=65534)
@@ -536,7 +544,7 @@ def test_a_process_on_a_restarting_replicas_port_gets_no_prompt(
     # to everything. The sessions pinned to vllm-0 move to vllm-1 (with no other replica: a 503
     # saying why), nothing reaches that process (not a prompt, not a health check, not the
     # replica's key), and vllm-0 stays down, saying why, while the port is taken.
-    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, *(() if hold else ("--set", "launch.hold_ports=false")))
+    gym = launched(tmp_path, vllm_bin, gyms, replicas, workers, hold=hold)
     cookies = pinned_sessions(gym, replicas)
     port = kill_replica(gym, "vllm-0")
     gym.wait_log("vllm-0 exited with code -9")
@@ -640,12 +648,12 @@ def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: 
 
 
 def test_a_vllm_that_cannot_bind_beside_the_held_port_says_what_to_do(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
-    # An old vLLM binds without SO_REUSEPORT: the port gymproxy holds for it is in use.
-    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=noreuse")
+    # vLLM with one API server binds without SO_REUSEPORT: the port gymproxy holds for it is in use.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *HOLD, *QUICK, plan="0=noreuse", env=HOLDABLE)
     gyms.append(gym)
     assert gym.wait_exit() == 1
     assert "exited with code 1 while starting" in gym.log and "set launch.hold_ports: false" in gym.log
-    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--set", "launch.hold_ports=false", *QUICK, plan="0=noreuse")
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=noreuse")  # hold_ports is off by default
     gyms.append(gym)
     gym.wait_listening()
     assert gym.chat()[0] == 200
