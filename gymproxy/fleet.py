@@ -762,7 +762,7 @@ class Fleet:
 
 DROPPED = frozenset({"stale", "closed", "reset"})  # `failure_kind`s of a request an upstream may have read
 STILL_UP = "the upstream still answers its /health, so it may be this request that it cannot take"
-RESENT = "it was already re-sent once after a dropped connection"
+RESENT = "it was already sent to another upstream after a dropped connection"
 
 
 class Attempts:
@@ -774,13 +774,13 @@ class Attempts:
       upstream at its cap; within `retries.attempts` sends and `retries.deadline_s`, backing off
       when the same kind of failure repeats.
     - What an upstream dropped after it was written (`DROPPED`: closed or reset before a reply
-      byte) may have been read, and may be what made it drop: it goes again once per request at
-      most. A pooled connection closed so goes to the same upstream on a new connection (the
-      upstream's idle close may have crossed it); any other drop goes to the next upstream only
-      when the one that dropped it is gone (`Fleet._gone`). An upstream still up chose to drop
-      that input (a query of death): it is not handed one more engine to kill, and, as for its
-      500s, its breaker is not fed. So at most two sends of a request were ever read (by two
-      upstreams, or one twice).
+      byte) may have been read, and may be what made it drop. A pooled connection closed so goes
+      once to the same upstream on a new connection (the upstream's idle close may have crossed
+      it); a drop goes to the next upstream once per request at most, and only when the one that
+      dropped it is gone (`Fleet._gone`: an upstream killed mid-request drops its pooled connections
+      and resets the new one). An upstream still up chose to drop that input (a query of death): it
+      is not handed one more engine to kill, and, as for its 500s, its breaker is not fed. So a
+      request reaches two upstreams at most after drops (the first one twice at most).
     - A request feeds one breaker failure at most, its first: however many upstreams it tries,
       one request can never open more than one breaker.
     """
@@ -797,6 +797,7 @@ class Attempts:
         "last_kind",
         "here",
         "fresh",
+        "retried_here",
         "resent",
         "charged",
     )
@@ -813,15 +814,16 @@ class Attempts:
         self.last_kind = ""
         self.here = False  # the next send goes to the same upstream again
         self.fresh = False  # the next sends go on new connections
-        self.resent = False  # its one send after a drop is spent
+        self.retried_here = False  # its one send to the same upstream after a stale close is spent
+        self.resent = False  # its one send to another upstream after a drop is spent
         self.charged = False  # its one breaker failure is spent
 
     def again_here(self, kind: str) -> bool:
         """A pooled connection closed with no reply (`stale`): once, to the same upstream on a new
-        connection, as the request's one send after a drop. Not counted against the budget."""
-        if kind != "stale" or self.resent:
+        connection. Not counted against the budget."""
+        if kind != "stale" or self.retried_here or self.resent:
             return False
-        self.here = self.fresh = self.resent = True
+        self.here = self.fresh = self.retried_here = True
         return True
 
     def full(self, upstream: Upstream, fleet: int) -> bool:

@@ -144,8 +144,8 @@ async def test_an_upstream_at_its_cap_sends_the_session_to_the_next_at_once(aioh
 
 async def test_a_pooled_connection_closed_with_no_reply_goes_once_more_to_the_same_upstream(aiohttp_server, ups):
     """A pooled connection closed with no reply is re-sent once to the same upstream on a new
-    connection (its idle close may have crossed our request); that is the request's one re-send
-    after a drop: a second drop, by an upstream still up, is the client's 502."""
+    connection (its idle close may have crossed our request); a second drop, by an upstream still
+    up, is the client's 502."""
     url, _ = await proxy(aiohttp_server, ups)
     a = ups[0]
     await ask(url, a)  # leaves a connection to `a` in the pool
@@ -161,6 +161,22 @@ async def test_a_pooled_connection_closed_with_no_reply_goes_once_more_to_the_sa
     text = await metrics(url)
     assert 'gymproxy_retries_total{reason="stale"} 2' in text
     assert 'reason="closed"' not in text
+
+
+async def test_an_upstream_killed_with_a_pooled_connection_has_the_request_sent_to_the_next(aiohttp_server, ups):
+    """vLLM SIGKILLed mid-turn, as the real-vLLM suite does it: the pooled connection ends with a FIN
+    (the same upstream is tried again on a new connection, which its dying process resets), and then
+    the request goes to the next upstream: the re-send to the same upstream does not use up the
+    one to another."""
+    url, proxy_ = await proxy(aiohttp_server, ups)
+    a = ups[0]
+    await ask(url, a)  # leaves a connection to `a` in the pool
+    a.push(close_before_status, dies("reset"))
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 3 and sum(u.generations() for u in ups[1:]) == 1
+    assert (SIGNER.unsign(pin or "") or ("",))[0] in (ups[1].url, ups[2].url)
+    assert not proxy_.fleet.upstreams[0].healthy
 
 
 async def test_a_refused_connection_goes_to_the_next(aiohttp_server, ups):
