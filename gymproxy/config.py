@@ -245,7 +245,8 @@ class Limits(Settings, frozen=True, kw_only=True):
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
     # An upstream reply gymproxy holds whole (chat, Responses, /tokenize, and a Responses stream, whose
-    # last event carries it all), a relayed body and one streamed event: past this, a 502.
+    # last events carry it all: it keeps a sixteenth of this in characters), a relayed body and one
+    # streamed event: past this, a 502.
     max_reply_size: Annotated[int, msgspec.Meta(ge=65536)] = 32 * 1024 * 1024
     # An upstream error reply (status 400 and up; vLLM's are a few hundred bytes): past this, a 502.
     max_error_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024

@@ -17,8 +17,9 @@ fails, at shutdown.
 
 No upstream reply is held or passed on past its limit (`limits.max_reply_size`, and
 `limits.max_error_reply_size` for an error status): a whole reply, a relayed body, one event of a
-stream, and a Responses stream (its last event carries the whole reply). Past it the client gets a
-502 naming the upstream and the limit; a relayed body already begun is cut off.
+stream, and a Responses stream (its last events carry the whole reply, so it keeps a sixteenth of the
+limit in characters: `KEPT_SHARE`). Past it the client gets a 502 naming the upstream and the limit
+(a stream: its terminal event); a relayed body already begun is cut off.
 """
 
 from __future__ import annotations
@@ -321,13 +322,20 @@ class ChatAnswer:
         return ChatStream(model=self.model, parser=self.parser, continued=continued, reasoning=reasoning)
 
 
-class ResponsesAnswer:
-    """A `/v1/responses` client: a Response (spec 8), or its event stream."""
+# A Responses stream keeps its whole output for its last events, which repeat it (about ten copies
+# in all): it keeps at most this share of `limits.max_reply_size`, in characters.
+KEPT_SHARE = 16
 
-    def __init__(self, req: ResponsesRequest, model: str | None, *, parser: bool) -> None:
+
+class ResponsesAnswer:
+    """A `/v1/responses` client: a Response (spec 8), or its event stream (which keeps at most
+    `max_text` characters of output for its last events)."""
+
+    def __init__(self, req: ResponsesRequest, model: str | None, *, parser: bool, max_text: int | None = None) -> None:
         self.req = req
         self.model = model
         self.parser = parser
+        self.max_text = max_text
 
     def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes:
         response = to_response(reply.completion(), self.req, model=self.model, parser=self.parser, continued=continued)
@@ -336,7 +344,9 @@ class ResponsesAnswer:
         return ENCODER.encode(response)
 
     def stream(self, *, continued: bool, reasoning: bool) -> ResponsesStream:
-        return ResponsesStream(self.req, model=self.model, parser=self.parser, continued=continued)
+        return ResponsesStream(
+            self.req, model=self.model, parser=self.parser, continued=continued, max_text=self.max_text
+        )
 
 
 # --- the exchange ----------------------------------------------------------------------------------

@@ -49,7 +49,17 @@ from .errors import (
     from_validation,
     render,
 )
-from .exchange import JSON, Backend, Caller, ChatAnswer, ChatBackend, CompletionsBackend, Exchange, ResponsesAnswer
+from .exchange import (
+    JSON,
+    KEPT_SHARE,
+    Backend,
+    Caller,
+    ChatAnswer,
+    ChatBackend,
+    CompletionsBackend,
+    Exchange,
+    ResponsesAnswer,
+)
 from .fleet import Upstream, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
@@ -131,7 +141,8 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     _add_key(caller, req.prompt_cache_key)
     _add_user(caller, req.user, config)
     stream = req.stream is True
-    answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser)
+    kept = config.limits.max_reply_size // KEPT_SHARE
+    answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser, max_text=kept)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
         backend: Backend = CompletionsBackend(

@@ -126,7 +126,17 @@ class _Call:
 class ResponsesStream:
     """Chat chunks in, Responses event frames out. Owns sequence numbers and item ids."""
 
-    def __init__(self, req: ResponsesRequest, *, model: str | None, parser: bool, continued: bool = False) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        *,
+        model: str | None,
+        parser: bool,
+        continued: bool = False,
+        max_text: int | None = None,
+    ) -> None:
+        """`max_text`: the characters of output (text, reasoning, refusal, tool arguments) it keeps
+        for its last events at most; past it the stream fails (`UpstreamError`)."""
         self.req = req
         self.model = model
         self.parser = parser
@@ -169,6 +179,8 @@ class ResponsesStream:
         self.prompt_token_ids: Any = None
         self.token_ids: list[int] | None = None
         self.logprobs: list[Any] | None = None
+        self.max_text = max_text
+        self.kept = 0  # characters of output kept so far, against `max_text`
         self.ended = False  # never early: an in-stream error fails the stream
         self.final: Response | None = None  # the terminal Response, once finished
 
@@ -199,12 +211,18 @@ class ResponsesStream:
         for choice in chunk.choices:
             if choice.index != 0:
                 continue
-            if choice.token_ids is not None:
-                self.token_ids = (self.token_ids or []) + list(choice.token_ids)
+            if choice.token_ids is not None:  # extended in place: a long stream is not copied per chunk
+                if self.token_ids is None:
+                    self.token_ids = []
+                self.token_ids.extend(choice.token_ids)
             if choice.logprobs is not None:
                 content = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
-                self.logprobs = (self.logprobs or []) + (content if isinstance(content, list) else [content])
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(content if isinstance(content, list) else [content])
             delta = choice.delta
+            if self.max_text is not None:
+                self._keep(delta)
             reasoning = delta.reasoning or delta.reasoning_content
             if reasoning:
                 if not self.parser:
@@ -237,6 +255,23 @@ class ResponsesStream:
             if choice.finish_reason is not None:
                 self.finish_reason = choice.finish_reason
         return self._take()
+
+    def _keep(self, delta: Any) -> None:
+        """Count what `delta` adds to what this stream keeps: its last events repeat the whole output
+        (some ten copies in all, with the final Response), so a reply's size is bounded here."""
+        kept = self.kept + len(delta.content or "") + len(delta.reasoning or delta.reasoning_content or "")
+        kept += len(delta.refusal or "")
+        for call in delta.tool_calls or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if isinstance(arguments, str):
+                kept += len(arguments)
+        self.kept = kept
+        if self.max_text is not None and kept > self.max_text:
+            raise UpstreamError(
+                f"the reply is over {self.max_text} characters, the most a Responses stream keeps for its "
+                "last events (a sixteenth of limits.max_reply_size)"
+            )
 
     def token_reply(self) -> dict[str, Any]:
         """The token fields the stream carried, shaped like a non-streamed reply for `tokens.from_reply`."""
