@@ -31,6 +31,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def alive(pid: int) -> bool:
+    """Running or stopped (a zombie waiting to be reaped counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 class Served:
     """One `gymproxy serve` process; `url` is its root."""
 

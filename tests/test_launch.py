@@ -42,6 +42,8 @@ from gymproxy.launch import (
     shown_line,
 )
 
+from .served import alive
+
 FAKE = Path(__file__).with_name("fake_vllm_serve.py")
 THIEF = Path(__file__).with_name("port_thief.py")
 WAIT_S = 60.0  # generous: the machine may be busy; no test waits this long when it passes
@@ -70,15 +72,6 @@ def vllm_bin(tmp_path: Path) -> Path:
     path.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
     path.chmod(0o755)
     return path
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def wait_until(check: Any, what: str, timeout: float = WAIT_S) -> Any:

@@ -493,6 +493,25 @@ async def test_sighup_adds_and_removes_upstreams_with_no_failed_request(fleet, t
     assert "no_such_key" in served.log
 
 
+def _workers_config(fleet: Any) -> dict[str, Any]:
+    """`gymproxy serve --workers 2` in front of `fleet[0]`, admin changes on behind KEY."""
+    return {
+        "base_url": [fleet[0].url],
+        "pinning": {"secret": SECRET},
+        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
+    }
+
+
+async def _names_seen(url: str) -> list[list[str]]:
+    """What each of 12 new connections (spread over the workers by the kernel) lists."""
+    seen = []
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for _ in range(12):
+        async with aiohttp.ClientSession() as fresh, fresh.get(url + "/admin/upstreams", headers=auth) as r:
+            seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
+    return seen
+
+
 async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, tmp_path):
     import signal
 
@@ -500,20 +519,11 @@ async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, t
 
     from .served import Served
 
-    config: dict[str, Any] = {
-        "base_url": [fleet[0].url],
-        "pinning": {"secret": SECRET},
-        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
-    }
+    config = _workers_config(fleet)
     auth = {"Authorization": f"Bearer {KEY}"}
 
     async def names_seen() -> list[list[str]]:
-        """What each of 12 new connections (spread over the workers by the kernel) lists."""
-        seen = []
-        for _ in range(12):
-            async with aiohttp.ClientSession() as fresh, fresh.get(served.url + "/admin/upstreams", headers=auth) as r:
-                seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
-        return seen
+        return await _names_seen(served.url)
 
     async with Served(tmp_path, config, "--workers", "2") as served:
         await until(lambda: served.log.count(" listening on http://") == 2, 20)
@@ -544,20 +554,11 @@ async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_pa
 
     from .served import Served
 
-    config: dict[str, Any] = {
-        "base_url": [fleet[0].url],
-        "pinning": {"secret": SECRET},
-        "access": {"api_keys": [KEY], "admin_fleet_changes": True},
-    }
+    config = _workers_config(fleet)
     auth = {"Authorization": f"Bearer {KEY}"}
 
     async def names_seen() -> list[list[str]]:
-        """What each of 12 new connections (spread over the workers by the kernel) lists."""
-        seen = []
-        for _ in range(12):
-            async with aiohttp.ClientSession() as fresh, fresh.get(served.url + "/admin/upstreams", headers=auth) as r:
-                seen.append(sorted(u["name"] for u in (await r.json())["upstreams"] if u["state"] != "removing"))
-        return seen
+        return await _names_seen(served.url)
 
     async with Served(tmp_path, config, "--workers", "2") as served:
         await until(lambda: served.log.count(" listening on http://") == 2, 20)

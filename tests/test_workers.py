@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from .served import Served
+from .served import Served, alive
 
 WAIT_S = 30.0  # generous: the machine may be busy; no test waits this long when it passes
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -31,15 +31,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def worker_pids(log: str) -> list[int]:
     """Every worker that has listened, in the order they did (a replacement comes last)."""
     return [int(pid) for pid in re.findall(r" listening on http://\S+ \(pid (\d+),", log)]
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped (a zombie waiting to be reaped counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def runtime_dir(pid: int) -> Path:
