@@ -155,6 +155,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    # A request body with more JSON objects, arrays and strings than this gets a 413: it bounds
+    # the memory and event-loop time its decode takes (the `{`, `[` and `"` pairs in it are counted).
+    max_json_values: Annotated[int, msgspec.Meta(ge=1024)] = 100_000
 
 
 class Restart(Settings, frozen=True, kw_only=True):
