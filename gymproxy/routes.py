@@ -461,6 +461,8 @@ def decode_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if exc.msg == "depth limit exceeded":  # orjson's 1024 levels; msgspec's RecursionError elsewhere
+            raise BadRequest(TOO_DEEP) from None
         raise BadRequest(f"The request body is not valid JSON: {exc}") from exc
     except RecursionError:
         raise BadRequest(TOO_DEEP) from None

@@ -1,7 +1,8 @@
 """The JSON values of a request body are bounded (`limits.max_json_values`), and so is what its decode
 costs: a body that would decode to far more than its size (32 MiB of `{},{},...` made over 1 GB and
 held the event loop for seconds) gets a 413 naming the limit while it is still arriving, and another
-client's `/health` is answered meanwhile.
+client's `/health` is answered meanwhile. Every route that decodes a body refuses one nested too
+deeply with the same 400.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+
+from gymproxy.routes import TOO_DEEP
 
 from .served import Served
 
@@ -196,3 +199,41 @@ async def test_values_inside_strings_count_and_numbers_do_not(start_proxy):
         numbers = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "pad": [0] * 100 * LIMIT}
         async with session.post(url + CHAT, json=numbers) as r:
             assert r.status == 200, await r.text()
+
+
+# --- nesting: the same 400 on every route that decodes a body -------------------------------------
+
+DEEP = b"[" * 2000 + b"]" * 2000  # past orjson's 1024 levels and the recursion limit msgspec stops at
+CHAT_BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]'
+ANTHROPIC_BODY = b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]'
+DEEP_BODIES = {  # where each route's decode goes down into the value
+    "chat": [b'{"model":"m","messages":[{"role":"user","content":%s}]}', CHAT_BODY + b',"top_k":%s}'],
+    "responses": [
+        b'{"model":"m","input":"hi","moderation":%s}',
+        b'{"model":"m","input":"hi","reasoning":{"context":%s}}',
+    ],
+    "native": [b'{"model":"m","input":%s}', b'{"model":"m","input":"hi","extra":%s}'],
+    "anthropic": [b'{"model":"m","messages":%s}', ANTHROPIC_BODY + b',"metadata":%s}'],
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "path", "bodies"),
+    [
+        ({}, CHAT, "chat"),
+        ({}, RESPONSES, "responses"),
+        ({"is_responses_native": True}, RESPONSES, "native"),
+        ({"model": "served"}, MESSAGES, "anthropic"),
+        ({}, MESSAGES, "anthropic"),
+        ({}, MESSAGES + "/count_tokens", "anthropic"),
+    ],
+    ids=["chat", "responses", "responses-native", "messages-model", "messages", "count-tokens"],
+)
+async def test_nesting_too_deep_is_the_same_400_everywhere(start_proxy, config, path, bodies):
+    """(`POST /admin/upstreams` decodes a Struct that forbids unknown fields: nothing in it can nest.)"""
+    url = await start_proxy(**config)
+    async with aiohttp.ClientSession() as session:
+        for body in DEEP_BODIES[bodies]:
+            async with session.post(url + path, data=body % DEEP, headers={"Content-Type": "application/json"}) as r:
+                raw = await r.read()
+                assert (r.status, error_message(path, raw)) == (400, TOO_DEEP), (body, raw[:300])
