@@ -256,6 +256,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     # `gymproxy serve`: a request head not whole this long after its first byte (or after the accept,
     # for a connection's first request) gets a 408 and the connection is closed (nginx's client_header_timeout).
     client_header_timeout: Seconds = 10.0
+    # A request body with more JSON objects, arrays and strings than this gets a 413: it bounds
+    # the memory and event-loop time its decode takes (the `{`, `[` and `"` pairs in it are counted).
+    max_json_values: Annotated[int, msgspec.Meta(ge=1024)] = 250_000
 
 
 class Restart(Settings, frozen=True, kw_only=True):

@@ -88,7 +88,7 @@ class BadRequest(GymproxyError):
 
 
 class PayloadTooLarge(BadRequest):
-    """The request body is over `max_body_size`."""
+    """The request body is over `max_body_size`, or holds more JSON values than `limits.max_json_values`."""
 
     status = 413
 
