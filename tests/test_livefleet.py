@@ -522,9 +522,6 @@ async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, t
     config = _workers_config(fleet)
     auth = {"Authorization": f"Bearer {KEY}"}
 
-    async def names_seen() -> list[list[str]]:
-        return await _names_seen(served.url)
-
     async with Served(tmp_path, config, "--workers", "2") as served:
         await until(lambda: served.log.count(" listening on http://") == 2, 20)
         async with aiohttp.ClientSession() as session:
@@ -532,19 +529,19 @@ async def test_with_two_workers_an_admin_change_and_a_sighup_reach_both(fleet, t
             async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
                 assert r.status == 201
         await until(lambda: served.log.count(" added: ") == 2)  # once in each worker
-        assert await names_seen() == [sorted([fleet[0].url, "added"])] * 12
+        assert await _names_seen(served.url) == [sorted([fleet[0].url, "added"])] * 12
         async with aiohttp.ClientSession() as session:
             async with session.delete(served.url + f"/admin/upstreams/{fleet[0].url}", headers=auth) as r:
                 assert r.status == 200
         await until(lambda: served.log.count(" drained and forgotten") == 2)
-        assert await names_seen() == [["added"]] * 12
+        assert await _names_seen(served.url) == [["added"]] * 12
         # A SIGHUP to the parent reaches every worker; the admin changes stay on top of the file.
         served.config_path.write_text(yaml.safe_dump({**config, "base_url": [fleet[0].url, fleet[2].url]}))
         assert served.process is not None
         served.process.send_signal(signal.SIGHUP)
         await until(lambda: served.log.count("fleet reloaded") >= 4)  # two from the admin changes' SIGHUPs too
         await until(lambda: served.log.count(f"upstream {fleet[2].url} added") == 2)
-        assert await names_seen() == [sorted(["added", fleet[2].url])] * 12
+        assert await _names_seen(served.url) == [sorted(["added", fleet[2].url])] * 12
 
 
 async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_path):
@@ -557,9 +554,6 @@ async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_pa
     config = _workers_config(fleet)
     auth = {"Authorization": f"Bearer {KEY}"}
 
-    async def names_seen() -> list[list[str]]:
-        return await _names_seen(served.url)
-
     async with Served(tmp_path, config, "--workers", "2") as served:
         await until(lambda: served.log.count(" listening on http://") == 2, 20)
         async with aiohttp.ClientSession() as session:
@@ -571,7 +565,7 @@ async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_pa
             async with session.post(served.url + "/admin/upstreams", json=body, headers=auth) as r:
                 assert r.status == 201
         await until(lambda: served.log.count(" added: ") == 2)  # once in each worker
-        assert await names_seen() == [sorted([fleet[0].url, "added"])] * 12
+        assert await _names_seen(served.url) == [sorted([fleet[0].url, "added"])] * 12
         assert served.process is not None
         served.process.send_signal(signal.SIGHUP)
         await until(lambda: served.log.count("fleet reloaded") >= 4)  # the admin change's SIGHUP, then this one
@@ -579,5 +573,5 @@ async def test_with_two_workers_a_bad_admin_change_poisons_neither(fleet, tmp_pa
             async with session.delete(served.url + "/admin/upstreams/added", headers=auth) as r:
                 assert r.status == 200
         await until(lambda: served.log.count(" drained and forgotten") == 2)
-        assert await names_seen() == [[fleet[0].url]] * 12
+        assert await _names_seen(served.url) == [[fleet[0].url]] * 12
     assert "Exception in callback" not in served.log and "Traceback" not in served.log
