@@ -425,9 +425,14 @@ async def test_the_admin_port_is_capped_and_idle_connections_cannot_hold_it(fake
                 for _, writer in held:
                     writer.close()
     assert during <= before + 64 + 8, (before, during)
+    # Each one past the cap is refused with a 503, unless it came when an earlier one had been silent
+    # for `QUIET_S`: then that one was closed (nothing said) to make room for it. On a loaded machine
+    # the 300 connects can take longer than that, so how many were closed is not fixed; one at least
+    # was: the one that made room for /health.
     refused = sum(reply is not None and reply.startswith(b"HTTP/1.1 503 ") for reply in replies)
-    assert refused == 300 - 64, refused  # and 63 still open, one closed for the new client
-    assert replies.count(b"") == 1 and replies.count(None) == 63, replies
+    closed, still_open = replies.count(b""), replies.count(None)
+    assert still_open == 63 and closed >= 1, (still_open, closed)
+    assert refused + closed + still_open == 300, replies  # nothing else was said to any of them
     assert served.log.count("connections to the admin port open: refusing more with 503") == 1
 
 
