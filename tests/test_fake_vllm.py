@@ -430,7 +430,9 @@ async def test_client_leaving_is_recorded(served_vllm: FakeVLLM, script: Script,
                 await resp.read()
     while not served_vllm.disconnects and time.monotonic() - sent < 1.2:
         await asyncio.sleep(0.01)
-    assert len(served_vllm.disconnects) == 1 and 0.2 <= served_vllm.disconnects[0] - sent < 1.2
+    # The client's 0.2 s timer may fire a little early (asyncio runs timers due within its clock
+    # resolution), so the disconnect is seen at 0.2 s less a few milliseconds at the earliest.
+    assert len(served_vllm.disconnects) == 1 and 0.19 <= served_vllm.disconnects[0] - sent < 1.2
     assert served_vllm.last_json()["stream"] is streamed
 
 
