@@ -21,9 +21,9 @@ import msgspec
 
 from . import __version__, launch, server
 from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
-from .fleet import shown
 from .peers import Peers
 from .proxy import INSTANCE_ENV
+from .upstream import shown
 from .workers import Lifeline, RuntimeDir, Workers, WorkersFailed, die_with_parent
 
 log = logging.getLogger("gymproxy")

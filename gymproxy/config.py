@@ -189,7 +189,7 @@ class Pinning(Settings, frozen=True, kw_only=True):
 
 class Retries(Settings, frozen=True, kw_only=True):
     """Re-sending a request that no upstream began (refused, vLLM's "busy" 503), or once one that a
-    dead upstream dropped (`fleet.Attempts`)."""
+    dead upstream dropped (`retry.Attempts`)."""
 
     attempts: Annotated[int, msgspec.Meta(ge=1)] = 3  # sends in all, the first included
     deadline_s: Seconds = 30.0  # no retry starts later than this after the first send
@@ -211,6 +211,23 @@ class Health(Settings, frozen=True, kw_only=True):
     timeout: Seconds = 2.0
 
 
+class Hold(Settings, frozen=True, kw_only=True):
+    """Requests held while the fleet (`/fleet/pause`) or one engine (vLLM's paused 503) is paused."""
+
+    timeout_s: Seconds = 300.0  # a request held longer gets a 503 with Retry-After
+    max_requests: Annotated[int, msgspec.Meta(ge=1)] = 10000  # held at once; past it, a 503 at once
+    max_bytes: Annotated[int, msgspec.Meta(ge=1024)] = 256 * 1024 * 1024  # their bodies' bytes at once
+    poll_s: Seconds = 0.25  # how often a paused engine's /is_paused is asked while requests wait on it
+
+
+class FleetControl(Settings, frozen=True, kw_only=True):
+    """The /fleet/* routes (`access.fleet_control`): each engine's time to answer."""
+
+    pause_timeout_s: Seconds = 60.0  # /pause and /resume of each engine (the barrier)
+    broadcast_timeout_s: Seconds = 600.0  # a broadcast route (a weight transfer may take minutes)
+    max_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024  # each engine's answer kept
+
+
 class Access(Settings, frozen=True, kw_only=True):
     """Inbound access control. With no keys, gymproxy is open (it usually sits on a private network)."""
 
@@ -224,6 +241,9 @@ class Access(Settings, frozen=True, kw_only=True):
     admin_fleet_changes: bool = False
     # `gymproxy serve`: open connections to `admin_port` past this get a 503 (idle ones make room first).
     admin_max_connections: Annotated[int, msgspec.Meta(ge=1)] = 64
+    # The /fleet/* routes (pause, resume, broadcast, status: weight updates); off, they answer 403.
+    # Keyed and loopback-bound exactly as `admin_fleet_changes`.
+    fleet_control: bool = False
 
 
 class Limits(Settings, frozen=True, kw_only=True):
@@ -366,6 +386,8 @@ class Config(Settings, frozen=True, kw_only=True):
     unknown_fields: Literal["reject", "drop"] = "reject"
     pinning: Pinning = Pinning()
     retries: Retries = Retries()
+    hold: Hold = Hold()
+    fleet_control: FleetControl = FleetControl()
     breaker: Breaker = Breaker()
     health: Health = Health()
     default_query: dict[str, str] = {}
@@ -637,6 +659,12 @@ def _check_access(config: Config) -> None:
         raise ConfigError(
             f"config: access.admin_fleet_changes with no access.api_keys would let anyone who reaches "
             f"{config.host}:{config.port} change the upstreams (and so read every prompt); set access.api_keys "
+            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
+        )
+    if access.fleet_control and not is_loopback(config.host):
+        raise ConfigError(
+            f"config: access.fleet_control with no access.api_keys would let anyone who reaches "
+            f"{config.host}:{config.port} pause every engine or load weights into them; set access.api_keys "
             f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
         )
 

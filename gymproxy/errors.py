@@ -18,7 +18,8 @@ GymproxyError                   500 server_error
 │   └── UpstreamTimeout         504 upstream_error
 └── Unavailable                 503 upstream_error          (and: gymproxy is shutting down)
     ├── NoUpstream              (every upstream is down)
-    └── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
+    ├── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
+    └── HoldOver                (held for a paused fleet or engine past `hold.*`; with Retry-After)
 
 Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
 A request aiohttp itself cannot parse is answered by aiohttp (400, 431); `MalformedRequests` keeps its
@@ -49,6 +50,7 @@ class GymproxyError(Exception):
     status = 500
     type = "server_error"
     code: str | int | None = None
+    retry_after: int | None = None  # seconds, sent as `Retry-After`
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -196,6 +198,14 @@ class Saturated(Unavailable):
     """The upstream is at its configured concurrency cap and `when_full` is `reject`."""
 
 
+class HoldOver(Unavailable):
+    """A request held while the fleet or its engine is paused (a weight update) waited too long, or
+    too many are held already (`hold.*`): a retry in a moment may succeed."""
+
+    code = "paused"
+    retry_after = 1
+
+
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
@@ -247,7 +257,10 @@ def render(exc: Exception, request: web.Request, envelope: Envelope | None = Non
 
 def error_response(exc: GymproxyError, envelope: Envelope | None = None) -> web.Response:
     body = exc.body() if envelope is None else envelope(exc)
-    return web.Response(body=body, status=exc.status, content_type="application/json")
+    response = web.Response(body=body, status=exc.status, content_type="application/json")
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 class MalformedRequests(logging.Filter):

@@ -57,13 +57,15 @@ from .errors import (
     UpstreamStatus,
     describe,
 )
-from .fleet import Fleet, Sent, Upstream, read, too_large
+from .fleet import Fleet
 from .http1 import Aborted, ClientError, Reply, ReplyTooLarge
 from .overflow import is_context_overflow, status_error, upstream_message
 from .pinning import Signer, cookie_header, minted_shape, new_session_id
+from .retry import abort_resend
 from .schemas import ENCODER
 from .schemas.responses import ResponsesRequest
 from .sse import DONE, SSEDecoder, SSEError
+from .upstream import Sent, Upstream, read, too_large
 
 if TYPE_CHECKING:
     from .config import Pinning
@@ -73,6 +75,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gymproxy")
 
 JSON = "application/json"
+ABORT = b'"abort"'  # in a whole reply a pause cut: its finish_reason
+WHOLE_REPLIES = frozenset({"completions", "chat", "responses"})  # relayed routes whose whole replies may be aborted
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 KEEPALIVE = b": keep-alive\n\n"
 MAX_SESSION_ID = 256  # longer session keys are sent upstream as a digest
@@ -93,7 +97,20 @@ class Caller:
     came with, its session's id, and the pin its response must set (the fleet's choice for a new
     session)."""
 
-    __slots__ = ("request_id", "cookie", "key", "pin", "route", "start", "_pinning", "_signer", "_sid", "_session")
+    __slots__ = (
+        "request_id",
+        "cookie",
+        "key",
+        "pin",
+        "route",
+        "start",
+        "min_version",
+        "weights",
+        "_pinning",
+        "_signer",
+        "_sid",
+        "_session",
+    )
 
     def __init__(
         self,
@@ -111,6 +128,8 @@ class Caller:
         self.pin: str | None = None
         self.route = route  # for metrics
         self.start = start  # time.monotonic() when the request arrived
+        self.min_version: str | None = None  # `X-Min-Weight-Version`: held until its engine has it
+        self.weights: str | None = None  # `X-Weight-Version`: what sampled the reply, once known
         self._pinning = pinning
         self._signer = signer
         self._sid: str | None = None
@@ -133,9 +152,11 @@ class Caller:
         return self._session
 
     def stamp(self, response: web.StreamResponse) -> None:
-        """The headers every response carries: the request id, and a new session's pin cookie.
-        Call before the response is prepared."""
+        """The headers every response carries: the request id, the weight version that sampled it
+        (when known), and a new session's pin cookie. Call before the response is prepared."""
         response.headers["X-Request-Id"] = self.request_id
+        if self.weights is not None:
+            response.headers["X-Weight-Version"] = self.weights
         if self.pin is not None:
             pinning = self._pinning
             response.headers.add("Set-Cookie", cookie_header(pinning.cookie_name, self.pin, pinning.max_age))
@@ -391,11 +412,18 @@ class Exchange:
         sent = await self._send(route, data, method, query=query, headers=headers)
         try:
             reply = sent.reply
+            self.caller.weights = sent.versions()
             if reply.status >= 400:  # read whole (it is small), so one over its limit is still a 502
                 return web.Response(status=reply.status, body=await read(reply), content_type=reply.content_type)
             stream = reply.content_type == "text/event-stream"
             if not stream:
                 self._limit(reply)
+                if route in WHOLE_REPLIES and reply.content_type == JSON:  # vLLM sends these whole, at the end
+                    sent, payload = await self._unless_aborted(sent, await read(reply), route, data, method)
+                    self.caller.weights = sent.versions()
+                    whole = web.Response(body=payload, content_type=JSON)
+                    self.caller.stamp(whole)
+                    return whole
             response = web.StreamResponse(status=reply.status)
             response.content_type = reply.content_type
             if stream:
@@ -448,11 +476,14 @@ class Exchange:
             sent.release()
         if reply.status != 200:
             self._judge(reply.status, payload)
+        sent, payload = await self._unless_aborted(sent, payload, backend.route, data, "POST")
+        self.caller.weights = weights = sent.versions()
         ended = time.monotonic()
         chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
+            tokens.weight_version = weights
         body = answer.whole(chat, tokens, continued=backend.continued)
         self._count_usage(sent, chat.usage(), ended)  # read by the conversion: never parsed for this alone
         return web.Response(body=body, content_type=JSON)
@@ -471,6 +502,7 @@ class Exchange:
             translator = answer.stream(continued=backend.continued, reasoning=backend.reasoning)
             if isinstance(translator, ResponsesStream):  # it keeps it all for its last event: a whole reply
                 self._limit(reply)
+            self.caller.weights = sent.upstream.version  # the headers go first: its version as it starts
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
@@ -502,6 +534,7 @@ class Exchange:
             tokens = None
             if self.proxy.config.return_token_id_information and isinstance(translator, ResponsesStream):
                 tokens = await self._tokens(sent.upstream, backend, backend.stream_tokens(translator))
+                tokens.weight_version = sent.versions()
             return translator.finish(tokens)
         except ClientGone:
             sent.close()
@@ -555,10 +588,41 @@ class Exchange:
             request_id=caller.request_id,
             query=query,
             headers=headers,
+            min_version=caller.min_version,
         )
         if sent.pin is not None:
             caller.pin = sent.pin
         return sent
+
+    async def _unless_aborted(
+        self, sent: Sent, payload: bytes, route: str, data: bytes | None, method: str
+    ) -> tuple[Sent, bytes]:
+        """A whole reply that a pause cut (`finish_reason: "abort"`) is sent again from the start
+        once its engine resumes (`retry.abort_resend`); the client sees only the last reply. A reply
+        aborted while neither the fleet nor its engine is paused (the trainer's /abort_requests) is
+        the client's answer."""
+        if ABORT not in payload:
+            return sent, payload
+        fleet = self.fleet
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.proxy.config.hold.timeout_s
+        resends = 0
+        while _aborted(payload) and abort_resend(resends, loop.time(), until):
+            if not fleet.holds.paused:  # else the next send waits for the fleet to resume
+                if not await fleet.engines.paused(sent.upstream):
+                    break
+                await fleet.engines.resumed(sent.upstream, until, len(data or b""))
+            resends += 1
+            fleet.retries["abort"] += 1
+            sent.release()
+            sent = await self._send(route, data, method)
+            try:
+                payload = await read(sent.reply)
+            finally:
+                sent.release()
+            if sent.reply.status != 200 or ABORT not in payload:
+                break
+        return sent, payload
 
     def _limit(self, reply: Reply) -> None:
         """Hold `reply` to `limits.max_reply_size` (a 502 now if its Content-Length is over)."""
@@ -711,3 +775,12 @@ class SSEWriter:
             await self.response.write(KEEPALIVE)
         except (ConnectionError, RuntimeError):
             pass  # the client is gone; the relay loop finds out on its next write
+
+
+def _aborted(payload: bytes) -> bool:
+    """Whether a whole chat or completions reply was cut by a pause: a choice finished "abort"."""
+    try:
+        choices = orjson.loads(payload).get("choices")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)

@@ -1,17 +1,12 @@
-"""The upstream vLLM fleet: which upstream serves a request, sending it there with failover, health.
+"""The upstream vLLM fleet: which upstream serves a request, and sending it there.
 
 The fleet never sees the client's request: callers pass the pin cookie's value, the session key and
 the request id, and get back what was sent where (`Sent`), including the new pin to set. Every
 failure to talk to an upstream becomes an `UpstreamError` (502) or `UpstreamTimeout` (504) whose
 message names the URL that failed (never its credentials), so a wrong `base_url` is obvious at once.
-A request is re-sent to the session's next upstream when no upstream began it: the connection was
-refused, or vLLM answered its "busy" or "paused" 503. One that an upstream dropped after it was
-written (closed or reset before one reply byte) goes again at most once: to the same upstream on a
-new connection when a pooled one closed (the keep-alive race), or to the next when the upstream
-that dropped it is gone; an upstream still up chose to drop it, and the client gets a 502 (a query
-of death kills one engine, not the fleet, and opens no breaker). vLLM aborts a request whose
-connection closes, so no generation ever runs twice at once. Each upstream keeps a circuit breaker
-(`pinning.Breaker`) fed by the failures that may be re-sent, at most one per request (`Attempts`).
+What happens after a failed send (send again, move, hold, give up) is `retry.Attempts`' decision;
+`Fleet.send` carries it out. While the fleet is paused for a weight update (`Holds`), requests wait
+before they are sent; one that a paused engine refused waits for that engine (`Engines`).
 
 An upstream gymproxy launched itself (a `launch.py` replica) is `closed` while its owner says it is
 not serving (loading, restarting, given up): nothing is sent to its port then, not a request and not
@@ -22,10 +17,7 @@ a health check, because any local process may have bound that port meanwhile. On
 from __future__ import annotations
 
 import asyncio
-import base64
-import email.utils
 import logging
-import random
 import secrets
 import time
 from collections import defaultdict
@@ -34,7 +26,8 @@ from typing import Any, NamedTuple
 
 from yarl import URL
 
-from .config import Config, Retries, UpstreamSpec, upstream_specs
+from . import health
+from .config import Config, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
     NotConnected,
@@ -46,29 +39,33 @@ from .errors import (
     UpstreamTimeout,
     describe,
 )
-from .http1 import Aborted, CannotConnect, Client, ClientError, ConnectTimeout, NoReply, Reply, ReplyTooLarge
+from .http1 import Aborted, CannotConnect, Client, ClientError, Reply
 from .metrics import Metrics, label
-from .pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pace, Pinner, Signer, Tally
+from .pause import Engines, Holds
+from .pinning import Pinner, Signer
+from .retry import (
+    ABANDON,
+    ANSWER,
+    FAIL,
+    GIVE_UP,
+    HERE,
+    HOLD,
+    PROBE,
+    Attempts,
+    Decision,
+    busy_kind,
+    failure_kind,
+    retry_after,
+)
+from .upstream import CLOSED, HALF_OPEN, OPEN, Sent, Tally, Upstream, read, shown, upstream_name
 
 log = logging.getLogger("gymproxy")
 
-JSON_HEADERS = {"Content-Type": "application/json"}
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
-PROBE_TIMEOUT = 10.0
 DRAIN_POLL_S = 0.1  # how often a removed upstream's in-flight count is looked at until it is 0
 
 BREAKER = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half-open"}
 Gauge = tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]
-
-
-def shown(url: str | URL) -> str:
-    """A URL for messages, logs and metrics: without credentials or query string."""
-    return str(URL(str(url)).with_user(None).with_query(None))
-
-
-def upstream_name(spec: UpstreamSpec) -> str:
-    """What pins, metrics and the admin routes call an upstream: its name, else its URL as shown."""
-    return spec.name or shown(URL(spec.url.rstrip("/")))
 
 
 class Change(NamedTuple):
@@ -77,140 +74,6 @@ class Change(NamedTuple):
     added: list[str]
     removed: list[str]
     changed: list[str]
-
-
-class Upstream:
-    """One vLLM server: its prebuilt URLs and headers, health, and in-flight count."""
-
-    __slots__ = (
-        "name",
-        "spec",
-        "url",
-        "weight",
-        "headers",
-        "json_headers",
-        "header_names",
-        "urls",
-        "inflight",
-        "healthy",
-        "fresh",
-        "failed_checks",
-        "closed",
-        "breaker",
-        "meter",
-        "tally",
-        "_slots",
-        "_reject",
-    )
-
-    def __init__(self, spec: UpstreamSpec, config: Config, tally: Tally | None = None) -> None:
-        """`tally`: the fleet's in-flight total, which this upstream's requests count in too."""
-        self.configure(spec, config)
-        self.name = upstream_name(spec)
-        self.inflight = 0
-        self.tally = tally if tally is not None else Tally()
-        self.healthy = True
-        self.fresh = False  # added live and not yet seen healthy: takes no sessions while others can
-        self.failed_checks = 0  # consecutive failed health checks
-        self.closed: str | None = None  # why its owner (the launcher) says it is not serving; see `Fleet.close`
-        self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
-        self.meter = Pace(config.pinning.pace.window_s)
-        cap = config.limits.max_inflight_per_upstream
-        self._slots = asyncio.Semaphore(cap) if cap else None
-        self._reject = config.limits.when_full == "reject"
-
-    def configure(self, spec: UpstreamSpec, config: Config) -> None:
-        """Take `spec`'s URL, key and weight (at creation, and when a reload changes them in place)."""
-        self.spec = spec
-        base = URL(spec.url.rstrip("/"))
-        self.url = shown(base)  # what every message, log line, metric and /health shows
-        self.weight = spec.weight
-        headers = dict(config.default_headers)
-        api_key = spec.api_key or config.api_key
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        elif base.user is not None:  # credentials in the URL mean HTTP basic auth, as curl reads them
-            token = base64.b64encode(f"{base.user}:{base.password or ''}".encode()).decode()
-            headers["Authorization"] = f"Basic {token}"
-        self.headers = headers
-        self.json_headers = {**headers, **JSON_HEADERS}
-        self.header_names = frozenset(name.lower() for name in self.json_headers)  # a client's never replace them
-        base = base.with_user(None)
-        root = base.parent if base.name == "v1" else base
-        query = dict(config.default_query)
-
-        def url(at: URL, path: str) -> URL:
-            joined = at / path
-            return joined.with_query(query) if query else joined
-
-        self.urls = {
-            "chat": url(base, "chat/completions"),
-            "completions": url(base, "completions"),
-            "responses": url(base, "responses"),
-            "messages": url(base, "messages"),
-            "count_tokens": url(base, "messages/count_tokens"),
-            "models": url(base, "models"),
-            "tokenize": url(root, "tokenize"),
-            "health": url(root, "health"),
-        }
-
-    async def acquire(self) -> None:
-        """Take an in-flight slot; past `limits.max_inflight_per_upstream`, wait or refuse (503)."""
-        if self._slots is not None:
-            if self._reject and self._slots.locked():
-                raise Saturated(f"upstream {self.url} has {self.inflight} requests in flight, its configured cap")
-            await self._slots.acquire()
-        self.inflight += 1
-        self.tally.inflight += 1
-
-    @property
-    def blocked(self) -> bool:
-        """No request may go there now: its circuit breaker is open, or its owner closed it."""
-        return self.closed is not None or self.breaker.blocked
-
-    @property
-    def pace(self) -> float | None:
-        """Its recent seconds per generated token (`pinning.Pace`), None while not known."""
-        return self.meter.value
-
-    def release(self) -> None:
-        self.inflight -= 1
-        self.tally.inflight -= 1
-        if self._slots is not None:
-            self._slots.release()
-
-    def __repr__(self) -> str:  # never shows the api key
-        return f"Upstream({self.url!r})"
-
-
-class Sent:
-    """A request sent to an upstream: where it went, the reply, and the new pin (None: keep the client's).
-
-    It holds one of the upstream's in-flight slots until `release` (connection back to the pool if
-    the reply was read whole) or `close` (connection dropped: vLLM aborts the generation).
-    """
-
-    __slots__ = ("upstream", "reply", "pin", "started", "_held")
-
-    def __init__(self, upstream: Upstream, reply: Reply, pin: str | None, started: float) -> None:
-        self.upstream = upstream
-        self.reply = reply
-        self.pin = pin
-        self.started = started  # time.monotonic() when it was sent
-        self._held = True
-
-    def release(self) -> None:
-        self.reply.release()
-        self._give_back()
-
-    def close(self) -> None:
-        self.reply.close()
-        self._give_back()
-
-    def _give_back(self) -> None:
-        if self._held:
-            self._held = False
-            self.upstream.release()
 
 
 class Fleet:
@@ -254,6 +117,9 @@ class Fleet:
         self.removed = 0  # upstreams removed live
         self._tasks: set[asyncio.Task[None]] = set()
         self._opened = False
+        self.holds = Holds(config.hold, metrics.pauses)  # requests held while the fleet or an engine is paused
+        self.engines = Engines(self.holds, self._is_paused)
+        self.joining: Callable[[Upstream], None] | None = None  # told when an upstream turns healthy
 
     def open(self) -> None:
         """Make the upstream client (it needs the running loop)."""
@@ -335,9 +201,20 @@ class Fleet:
         log.info("upstream %s drained and forgotten", upstream.url)
 
     def stop(self) -> None:
-        """Cancel the fleet's own tasks (first health checks, drains): the app is closing."""
+        """Cancel the fleet's own tasks (first health checks, drains, pause polls): the app is closing."""
         for task in self._tasks:
             task.cancel()
+        self.engines.stop()
+
+    def end_holds(self, why: str) -> None:
+        """Shutting down: every request held (paused fleet, paused engine, weight version) gets a 503."""
+        self.holds.end(why)
+        self.engines.resume_all()
+        for upstream in self.known():
+            upstream.version_changed.set()
+
+    async def _is_paused(self, upstream: Upstream) -> bool | None:
+        return await health.is_paused(self.client, upstream, self.config.health.timeout)
 
     async def send(
         self,
@@ -352,34 +229,42 @@ class Fleet:
         request_id: str | None = None,
         query: str | None = None,
         headers: Mapping[str, str] | None = None,
+        min_version: str | None = None,
     ) -> Sent:
         """Send to the session's upstream (by pin `cookie`, else session `key`, else placement) and read
-        the reply's head, sending again what `Attempts` says may go again, where it says.
+        the reply's head, doing after each failure what `Attempts` decides (see `retry.py`).
 
-        Re-sent (within `retries`): a refused connection and vLLM's "busy" and "paused" 503s; and at
-        most once, a request dropped before any reply byte: a pooled connection closed (to the same
-        upstream, new connection), or a drop by an upstream found gone (to the next). Never re-sent:
-        a drop by an upstream still up (502, and no breaker failure: it may be this request that it
-        cannot take), anything that got a status line otherwise, and anything after this returns
-        (the caller may have sent bytes to its client by then).
+        Never re-sent: anything that got a status line other than vLLM's busy and paused 503s, and
+        anything after this returns (the caller may have sent bytes to its client by then). While
+        the fleet is paused, it waits (`Holds`) before it is sent; with `min_version`, until its
+        upstream's weight version is at least that (`version_at_least`).
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
         `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
         extra = (query, headers, session_id)
-        single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
         loop = asyncio.get_running_loop()
-        tries = Attempts(self.config.retries, single, loop.time())
+        holds = self.holds
+        single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
+        tries = Attempts(self.config.retries, single, loop.time(), self.config.hold.timeout_s)
+        size = len(data) if data is not None else 0
         upstream: Upstream
         pin: str | None
         while True:
+            if holds.paused:
+                await holds.wait(holds.gate, tries.hold_until, size, "the fleet is paused for a weight update")
             if single:
                 upstream, pin = self.upstreams[0], None
             elif not tries.here:
                 chosen = self.pinner.pick(cookie, key, sid=sid, exclude=tuple(tries.tried), reason=tries.reason)
                 upstream, pin = chosen.upstream, chosen.cookie
                 upstream.breaker.admit()
-            tries.here = False
+            if min_version is not None and not version_at_least(upstream.version, min_version):
+                upstream.breaker.abandon()
+                what = f"the engine {upstream.url} has weight version {upstream.version}, not {min_version} yet"
+                await holds.wait(upstream.version_changed, tries.hold_until, size, what)
+                tries.here = True
+                continue
             sent: Sent | None = None
             started = time.monotonic()
             try:
@@ -389,81 +274,70 @@ class Fleet:
                 if kind is None:
                     upstream.breaker.abandon()
                     raise
-                if kind in DROPPED:
-                    if tries.again_here(kind):
-                        self.retries[kind] += 1
-                        continue
-                    if single:
-                        raise  # nowhere else to send it
-                    if not await self._gone(upstream):
-                        upstream.breaker.abandon()  # it answers: not failing, but refusing this input
-                        raise UpstreamError(f"{exc}; not re-sent: {STILL_UP}") from exc.__cause__
-                    if tries.resent:
-                        tries.charge(upstream)
-                        raise UpstreamError(f"{exc}; not re-sent: {RESENT}") from exc.__cause__
                 error: GymproxyError = exc
-            except Saturated:
-                upstream.breaker.abandon()
-                if not tries.full(upstream, len(self.upstreams)):
-                    raise  # every upstream is at its cap
-                self.retries["full"] += 1
-                continue
+                decision = tries.decide(upstream, kind, fleet=len(self.upstreams), now=loop.time())
+                if decision.action == PROBE:
+                    decision = tries.decide(
+                        upstream, kind, fleet=len(self.upstreams), now=loop.time(), gone=await self._gone(upstream)
+                    )
+            except Saturated as exc:
+                error, kind = exc, "full"
+                decision = tries.decide(upstream, kind, fleet=len(self.upstreams), now=loop.time())
             except BaseException:
                 upstream.breaker.abandon()
                 raise
             else:
                 sent = Sent(upstream, reply, pin, started)
                 try:
-                    kind = await busy_kind(reply)
+                    busy = await busy_kind(reply)
                 except BaseException:
                     sent.close()
                     upstream.breaker.abandon()
                     raise
-                if kind is None:
+                if busy is None:
                     upstream.breaker.succeeded()
                     return sent
+                kind = busy
                 error = UpstreamStatus(reply.status, f"upstream {upstream.url} answered {reply.status} ({kind})")
-            wait = tries.failed(upstream, kind, len(self.upstreams), None if sent is None else sent.reply, loop.time())
-            if wait is None:
-                if sent is not None:
-                    return sent  # vLLM's own 503 (and its Retry-After) goes to the client
-                if not single and failure_kind(error.__cause__) in ("refused", "connect_timeout"):
-                    names = ", ".join(dict.fromkeys(u.url for u in tries.failures))
-                    raise NoUpstream(f"no upstream is reachable: {names} all refused the connection") from error
-                raise error
+                wait = retry_after(reply.headers)
+                decision = tries.decide(upstream, kind, fleet=len(self.upstreams), now=loop.time(), retry_after=wait)
+            _apply(upstream, decision)
+            action = decision.action
+            if action == ANSWER and sent is not None:
+                return sent  # vLLM's own 503 (and its Retry-After) goes to the client
+            if action in (ANSWER, GIVE_UP):
+                raise self._given_up(error, decision, tries)
             if sent is not None:
                 await sent.reply.read()  # buffered: the connection goes back to the pool
                 sent.release()
             self.retries[kind] += 1
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if action == HOLD:
+                await self.engines.resumed(upstream, tries.hold_until, size)
+            elif action != HERE and decision.wait > 0:
+                await asyncio.sleep(decision.wait)
+
+    def _given_up(self, error: GymproxyError, decision: Decision, tries: Attempts) -> GymproxyError:
+        """The error the client hears when `decision` ends the request."""
+        if decision.why:
+            dropped = UpstreamError(f"{error}; not re-sent: {decision.why}")
+            dropped.__cause__ = error.__cause__
+            return dropped
+        if not tries.single and failure_kind(error.__cause__) in ("refused", "connect_timeout"):
+            names = ", ".join(dict.fromkeys(u.url for u in tries.failures))
+            failure = NoUpstream(f"no upstream is reachable: {names} all refused the connection")
+            failure.__cause__ = error
+            return failure
+        return error
 
     async def _gone(self, upstream: Upstream) -> bool:
-        """Whether `upstream`, which just dropped a request, is gone (its process died): marked down,
-        or its /health, asked on a new connection, gets no answer (refused, reset, or none within
-        `health.timeout`). Any answer at all means the process is there and chose to drop it.
-
-        A connect alone would not do: a dying process's connections may be reset a moment before
-        its listener closes, and a connect in that moment still succeeds."""
+        """Whether `upstream`, which just dropped a request, is gone (`health.gone`); marked down
+        counts as gone."""
         if not upstream.healthy:
             return True
-        health = upstream.urls["health"]
-        try:
-            reply = await asyncio.wait_for(
-                self.client.request("GET", health, upstream.headers, fresh=True), self.config.health.timeout
-            )
-        except Aborted:
-            return True  # shutting down: the next send says so
-        except CannotConnect as exc:
-            self.mark(upstream, False, f"it dropped a request, then refused a connection: {describe(exc)}")
-            return True
-        except (ClientError, asyncio.TimeoutError) as exc:
-            log.warning(
-                "upstream %s dropped a request, then %s did not answer: %s", upstream.url, shown(health), describe(exc)
-            )
-            return True
-        reply.close()
-        return False
+        gone, why = await health.gone(self.client, upstream, self.config.health.timeout)
+        if why is not None:
+            self.mark(upstream, False, why)
+        return gone
 
     async def call(
         self,
@@ -553,6 +427,8 @@ class Fleet:
             return
         if upstream.healthy != healthy:
             upstream.healthy = healthy
+            if healthy and self.joining is not None:
+                self.joining(upstream)
             if healthy and upstream.fresh:
                 log.info("upstream %s is healthy: it takes sessions now", upstream.url)
             elif healthy:
@@ -568,14 +444,7 @@ class Fleet:
         if upstream.closed is not None:  # its port may be anyone's now: nothing goes there (nor its key)
             self.health_checks[(upstream.name, "closed")] += 1
             return
-        try:
-            status, _ = await asyncio.wait_for(self._get(upstream, "health"), self.config.health.timeout)
-            ok, why, result = status == 200, f"/health answered {status}", "ok" if status == 200 else "failed"
-        except (ClientError, asyncio.TimeoutError) as exc:
-            ok, why, result = False, f"/health failed: {describe(exc)}", "failed"
-        except Exception as exc:  # a bug: logged and counted, and the next round runs as usual
-            log.exception("health check of upstream %s failed unexpectedly", upstream.url)
-            ok, why, result = False, f"/health check raised {describe(exc)}", "error"
+        ok, why, result = await health.check(self.client, upstream, self.config.health.timeout)
         self.health_checks[(upstream.name, result)] += 1
         # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row.
         upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
@@ -615,11 +484,6 @@ class Fleet:
             upstream.fresh = False
             self.pinner.joined(upstream.name)
 
-    async def _get(self, upstream: Upstream, route: str) -> tuple[int, bytes]:
-        """A GET of the fleet's own (health checks, the startup probe): status and body."""
-        async with await self.client.request("GET", upstream.urls[route], upstream.headers) as reply:
-            return reply.status, await reply.read()
-
     async def watch_health(self) -> None:
         """Check every `health.interval` seconds, for as long as the app runs."""
         while True:
@@ -628,28 +492,7 @@ class Fleet:
 
     async def probe(self) -> None:
         """Log each upstream and whether its /v1/models answered, naming the URL tried."""
-        for upstream in self.upstreams:
-            if upstream.closed is not None:
-                continue  # not serving yet: its owner reports it
-            url = shown(upstream.urls["models"])
-            try:
-                status, body = await asyncio.wait_for(self._get(upstream, "models"), PROBE_TIMEOUT)
-            except (ClientError, asyncio.TimeoutError) as exc:
-                log.warning("upstream %s: %s is NOT answering: %s", upstream.url, url, describe(exc))
-                continue
-            except Exception as exc:  # a bug: logged, and the other upstreams are still probed
-                log.exception("upstream %s: %s is NOT answering: the probe raised %s", upstream.url, url, describe(exc))
-                continue
-            if status == 200:
-                log.info("upstream %s: %s answered 200", upstream.url, url)
-            else:
-                log.warning(
-                    "upstream %s: %s answered %d: %s (is base_url right? it should end in /v1)",
-                    upstream.url,
-                    url,
-                    status,
-                    body[:200].decode(errors="replace"),
-                )
+        await health.probe(self.client, self.upstreams)
 
     def known(self) -> list[Upstream]:
         """Every upstream still held: serving, drained, and removed ones with requests in flight."""
@@ -743,7 +586,8 @@ class Fleet:
         yield (
             "gymproxy_retries_total",
             "counter",
-            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, paused, full).",
+            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, full; paused: "
+            "held for a paused engine and sent there again; abort: a whole reply a pause cut, sent again).",
             lambda: [(label(reason=reason), n) for reason, n in sorted(self.retries.items())],
         )
         yield (
@@ -751,6 +595,37 @@ class Fleet:
             "counter",
             "Sessions moved off their upstream, by reason (down, breaker, busy, overloaded, slow, removed, joined).",
             lambda: [(label(reason=reason), n) for reason, n in self.pinner.moves.items()],
+        )
+        holds = self.holds
+        yield (
+            "gymproxy_held_requests",
+            "gauge",
+            "Requests held now: the fleet is paused, their engine is, or they wait for a weight version.",
+            lambda: [("", holds.count)],
+        )
+        yield (
+            "gymproxy_held_total",
+            "counter",
+            "Requests held, by what became of the hold: held (every one), released (by /fleet/resume), "
+            "expired (past hold.timeout_s, 503), refused (past hold.max_requests or hold.max_bytes, 503).",
+            lambda: [
+                (label(outcome="held"), holds.held),
+                (label(outcome="released"), holds.released),
+                (label(outcome="expired"), holds.expired),
+                (label(outcome="refused"), holds.refused),
+            ],
+        )
+        yield (
+            "gymproxy_fleet_paused",
+            "gauge",
+            "1 while the fleet is paused by /fleet/pause.",
+            lambda: [("", int(holds.paused))],
+        )
+        yield (
+            "gymproxy_upstream_stale",
+            "gauge",
+            "1 while the upstream's weight version is not the fleet's (it takes no requests).",
+            lambda: [(label(upstream=u.name), int(u.stale)) for u in self.upstreams],
         )
         yield (
             "gymproxy_pins_repinned_total",
@@ -760,198 +635,22 @@ class Fleet:
         )
 
 
-DROPPED = frozenset({"stale", "closed", "reset"})  # `failure_kind`s of a request an upstream may have read
-STILL_UP = "the upstream still answers its /health, so it may be this request that it cannot take"
-RESENT = "it was already sent to another upstream after a dropped connection"
+def _apply(upstream: Upstream, decision: Decision) -> None:
+    """The decision's verdict on the upstream's circuit breaker."""
+    if decision.breaker == FAIL:
+        upstream.breaker.failed()
+    elif decision.breaker == ABANDON:
+        upstream.breaker.abandon()
 
 
-class Attempts:
-    """The retry policy of one client request (`Fleet.send`): after each failure, whether it goes
-    again, where (the same upstream or the session's next), and after how long.
-
-    - What no upstream began goes to the next upstream: a refused connection or connect timeout,
-      vLLM's busy and paused 503s (the round starts again once every upstream was busy), an
-      upstream at its cap; within `retries.attempts` sends and `retries.deadline_s`, backing off
-      when the same kind of failure repeats.
-    - What an upstream dropped after it was written (`DROPPED`: closed or reset before a reply
-      byte) may have been read, and may be what made it drop. A pooled connection closed so goes
-      once to the same upstream on a new connection (the upstream's idle close may have crossed
-      it); a drop goes to the next upstream once per request at most, and only when the one that
-      dropped it is gone (`Fleet._gone`: an upstream killed mid-request drops its pooled connections
-      and resets the new one). An upstream still up chose to drop that input (a query of death): it
-      is not handed one more engine to kill, and, as for its 500s, its breaker is not fed. So a
-      request reaches two upstreams at most after drops (the first one twice at most).
-    - A request feeds one breaker failure at most, its first: however many upstreams it tries,
-      one request can never open more than one breaker.
-    """
-
-    __slots__ = (
-        "budget",
-        "single",
-        "deadline",
-        "tried",
-        "failures",
-        "reason",
-        "sends",
-        "streak",
-        "last_kind",
-        "here",
-        "fresh",
-        "retried_here",
-        "resent",
-        "charged",
-    )
-
-    def __init__(self, budget: Retries, single: bool, now: float) -> None:
-        self.budget = budget
-        self.single = single  # one upstream: nowhere else to go, and no breaker
-        self.deadline = now + budget.deadline_s  # loop time after which no send starts
-        self.tried: list[Upstream] = []  # excluded from the next pick
-        self.failures: list[Upstream] = []  # every upstream that failed it, for the message
-        self.reason = "down"  # why the session moves, for `Pinner.pick`
-        self.sends = 0  # failed sends counted against `retries.attempts`
-        self.streak = 0  # failures of `last_kind` in a row
-        self.last_kind = ""
-        self.here = False  # the next send goes to the same upstream again
-        self.fresh = False  # the next sends go on new connections
-        self.retried_here = False  # its one send to the same upstream after a stale close is spent
-        self.resent = False  # its one send to another upstream after a drop is spent
-        self.charged = False  # its one breaker failure is spent
-
-    def again_here(self, kind: str) -> bool:
-        """A pooled connection closed with no reply (`stale`): once, to the same upstream on a new
-        connection. Not counted against the budget."""
-        if kind != "stale" or self.retried_here or self.resent:
-            return False
-        self.here = self.fresh = self.retried_here = True
+def version_at_least(version: str | None, least: str) -> bool:
+    """Whether weight `version` is at least `least`: as numbers when both are integers (training
+    steps), else only when they are equal (vLLM's versions are strings, with no order of their own)."""
+    if version is None:
+        return False
+    if version == least:
         return True
-
-    def full(self, upstream: Upstream, fleet: int) -> bool:
-        """`upstream` is at its cap (`limits.when_full: reject`): it saw nothing, so the next is asked
-        at once, with no backoff, no breaker failure and nothing off the budget; False when every
-        one of the `fleet` upstreams is full."""
-        if self.single or len(self.tried) + 1 >= fleet:
-            return False
-        self.tried.append(upstream)
-        self.reason = "busy"
-        return True
-
-    def charge(self, upstream: Upstream) -> None:
-        """The verdict on `upstream`'s breaker for a failure: the request's first counts, any later
-        one leaves it as it was (a half-open probe is let go, `Breaker.abandon`)."""
-        if self.single:
-            return
-        if self.charged:
-            upstream.breaker.abandon()
-        else:
-            self.charged = True
-            upstream.breaker.failed()
-
-    def failed(self, upstream: Upstream, kind: str, fleet: int, reply: Reply | None, now: float) -> float | None:
-        """After a failure that may go again (`kind` of `failure_kind` or `busy_kind`; `reply`: the
-        503 when it is one): the seconds to wait before the next send, or None: the client hears it."""
-        self.charge(upstream)
-        self.failures.append(upstream)
-        if upstream not in self.tried:
-            self.tried.append(upstream)
-        self.sends += 1
-        if kind in DROPPED:
-            self.resent = self.fresh = True
-        connection = reply is None
-        budget = self.budget
-        done = self.single or self.sends >= budget.attempts
-        if len(self.tried) >= fleet:
-            if connection:
-                done = True  # every upstream failed to take it: nothing left to try
-            else:
-                self.tried.clear()  # every one is busy: round again, after the backoff
-        self.streak = self.streak + 1 if kind == self.last_kind else 1
-        self.last_kind = kind
-        wait = 0.0
-        if self.streak > 1 and not done:  # the same failure again: back off (full jitter)
-            wait = random.uniform(0.0, min(budget.backoff_max_s, budget.backoff_s * 2 ** (self.streak - 2)))
-        if reply is not None:
-            wait = max(wait, retry_after(reply.headers))
-        if done or now + wait > self.deadline:
-            return None
-        self.reason = "down" if connection else "busy"
-        return wait
-
-
-def failure_kind(exc: BaseException | None) -> str | None:
-    """How a request failed before any reply byte, or None (no retry). `refused` and
-    `connect_timeout`: it was never sent. `stale`, `closed` and `reset` (`DROPPED`): it was
-    written, and the connection ended; `Attempts` says what may go again."""
-    if isinstance(exc, NoReply):
-        # A pooled connection closed (a FIN, no reply): the upstream's idle close may have crossed
-        # our request on the wire. A reset, or any close of a fresh connection, came after the
-        # upstream had the request.
-        if exc.reset:
-            return "reset"
-        return "stale" if exc.reused else "closed"
-    if isinstance(exc, ConnectTimeout):
-        return "connect_timeout"
-    if isinstance(exc, CannotConnect):
-        return "refused"
-    return None
-
-
-BUSY = b"Please try again later or on a different instance"  # vLLM's admission 503s end so
-
-
-async def busy_kind(reply: Reply) -> str | None:
-    """`busy` for vLLM's admission 503, `paused` for its paused-for-a-weight-update 503, else None.
-
-    The body of a 503 is read and kept, so the caller still reads it when the reply is handed on
-    (one over `limits.max_error_reply_size` is no busy 503: its reader gets the `ReplyTooLarge`)."""
-    if reply.status != 503:
-        return None
     try:
-        body = await reply.buffer()
-    except (ClientError, asyncio.TimeoutError):
-        return None  # the reply broke: its reader sees that, and nothing is re-sent
-    if BUSY in body:
-        return "busy"
-    if b"paused" in body.lower():
-        return "paused"
-    return None
-
-
-def retry_after(headers: Mapping[str, str]) -> float:
-    """`Retry-After` in seconds (a number or an HTTP date); 0 when absent or unreadable."""
-    value = headers.get("retry-after")
-    if not value:
-        return 0.0
-    try:
-        return max(0.0, float(value))
+        return int(version) >= int(least)
     except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return 0.0
-    return max(0.0, when.timestamp() - time.time())
-
-
-async def read(reply: Reply) -> bytes:
-    """The whole body, with read failures mapped to 502/504 naming the upstream (503 when aborted)."""
-    try:
-        return await reply.read()
-    except ReplyTooLarge as exc:
-        raise too_large(reply, exc) from exc
-    except Aborted as exc:  # its owner gave up (shutdown): the reason is the message
-        raise Unavailable(str(exc)) from exc
-    except asyncio.TimeoutError as exc:
-        raise UpstreamTimeout(f"upstream {shown(reply.url)} stopped sending its reply ({describe(exc)})") from exc
-    except ClientError as exc:
-        raise UpstreamError(f"upstream {shown(reply.url)} broke off its reply: {describe(exc)}") from exc
-
-
-def too_large(reply: Reply, exc: ReplyTooLarge) -> UpstreamError:
-    """A reply over its limit (`Reply.limit`) as a 502 naming the upstream, the limit and its key."""
-    key = "limits.max_error_reply_size" if reply.status >= 400 else "limits.max_reply_size"
-    if exc.announced is not None:
-        size = f"of {exc.announced} bytes, over the limit of {exc.limit}"
-    else:
-        size = f"over the limit of {exc.limit} bytes"
-    return UpstreamError(f"upstream {shown(reply.url)} answered {reply.status} with a body {size} ({key})")
+        return False

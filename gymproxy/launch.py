@@ -44,6 +44,7 @@ log = logging.getLogger("gymproxy")
 
 REPLICA_ENV = "GYMPROXY_REPLICA"  # each replica's index, for wrapper scripts
 KEY_ENV = "VLLM_API_KEY"  # vLLM's API key from the environment (`--api-key` wins over it)
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # `access.fleet_control` sets it to 1 for every replica
 # Not passed on to replicas: a client's key of OpenAI's API (vLLM uses none). HF_TOKEN is kept: vLLM
 # needs it to download a gated model.
 DROPPED_ENV = ("OPENAI_API_KEY",)
@@ -187,6 +188,8 @@ def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher
     given = flag_key or launch.env.get(KEY_ENV)  # the user's own key, for every replica
     if launch.hf_home is not None:
         base["HF_HOME"] = launch.hf_home
+    if config.access.fleet_control:
+        base.setdefault(DEV_MODE_ENV, "1")  # vLLM mounts /pause, /resume and the weight routes only then
     if launch.log_dir is not None:
         try:
             Path(launch.log_dir).mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+VERSIONS_COUNTED = 64
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -54,6 +56,18 @@ class Metrics:
         # From the upstream replies' `usage`, by upstream; cached/prompt is its prefix-cache hit rate.
         self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.cached_prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.pauses = Histogram(PAUSE_BUCKETS)  # seconds the fleet was paused (`/fleet/pause`), by mode
+        self.by_version: dict[str, int] = {}  # replies, by the weight version that sampled them
+
+    def count_version(self, version: str) -> None:
+        """One more reply sampled with `version`; only the latest `VERSIONS_COUNTED` are kept."""
+        counted = self.by_version
+        if version in counted:
+            counted[version] += 1
+            return
+        if len(counted) >= VERSIONS_COUNTED:
+            del counted[next(iter(counted))]  # the oldest version first seen
+        counted[version] = 1
 
     def render(self, gauges: Iterable[tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]]) -> str:
         lines: list[str] = []
@@ -84,6 +98,20 @@ class Metrics:
             "# HELP gymproxy_context_overflows_total vLLM context-length 400s seen.",
             "# TYPE gymproxy_context_overflows_total counter",
             f"gymproxy_context_overflows_total {self.overflows}",
+        ]
+        lines += self.pauses.render(
+            "gymproxy_fleet_pause_seconds",
+            "How long the fleet was paused (/fleet/pause to /fleet/resume), by mode.",
+            "mode",
+        )
+        lines += [
+            "# HELP gymproxy_replies_by_weight_version_total Replies, by the weight version(s) that sampled them "
+            "(X-Weight-Version; the latest 64 versions).",
+            "# TYPE gymproxy_replies_by_weight_version_total counter",
+            *(
+                f'gymproxy_replies_by_weight_version_total{{version="{_escape(v)}"}} {n}'
+                for v, n in self.by_version.items()
+            ),
         ]
         for name, kind, help_text, values in gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]

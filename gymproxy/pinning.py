@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from .errors import NoUpstream
+from .upstream import Tally
 
 log = logging.getLogger("gymproxy")
 
@@ -137,16 +138,6 @@ class Candidate(Protocol):
 
 
 U = TypeVar("U", bound=Candidate)
-
-
-class Tally:
-    """Requests in flight over the whole fleet, kept up by the upstreams themselves, so a pinned
-    request's load check is O(1) however many upstreams there are."""
-
-    __slots__ = ("inflight",)
-
-    def __init__(self) -> None:
-        self.inflight = 0
 
 
 MOVE_REASONS = ("down", "breaker", "busy", "overloaded", "slow", "removed", "joined")
@@ -459,122 +450,3 @@ def _score(key: str, upstream: Candidate) -> float:
     (value,) = struct.unpack(">Q", digest[:8])
     unit = (value + 1) / 2.0**64  # in (0, 1]
     return -upstream.weight / math.log(unit) if unit < 1.0 else math.inf
-
-
-# --- circuit breakers ---------------------------------------------------------------------------------
-# A per-upstream circuit breaker: after `failures` failures in a row, stop sending for `cooldown` seconds.
-#
-#     closed ──(N failures in a row)──> open ──(cooldown over: one request let through)──> half-open
-#       ^                                 ^                                                  │
-#       └──────────(the probe succeeds)───┼──────────────────────────────────────────────────┤
-#                                         └────────────(the probe fails)─────────────────────┘
-#
-# What counts as a failure is the fleet's business (connection-level failures and vLLM's "busy" and
-# "paused" 503s); `Breaker` only keeps the state, which the pick reads (`blocked`). It is O(1) and allocation-free, so the common case
-# (closed) costs one comparison per request.
-
-CLOSED, OPEN, HALF_OPEN = 0, 1, 2  # also the values of the `gymproxy_upstream_breaker` gauge
-
-
-class Breaker:
-    """The breaker of one upstream (`name` is for the log)."""
-
-    __slots__ = ("name", "failures", "cooldown", "state", "streak", "opened_at", "opened", "_clock")
-
-    def __init__(
-        self, name: str, *, failures: int, cooldown: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.name = name
-        self.failures = failures
-        self.cooldown = cooldown
-        self.state = CLOSED
-        self.streak = 0  # failures in a row
-        self.opened_at = 0.0
-        self.opened = 0  # times it opened (a counter)
-        self._clock = clock
-
-    @property
-    def blocked(self) -> bool:
-        """True while no request may go: open and cooling down, or half-open with its probe out."""
-        if self.state == CLOSED:
-            return False
-        if self.state == HALF_OPEN:
-            return True
-        return self._clock() - self.opened_at < self.cooldown
-
-    def admit(self) -> None:
-        """A request is about to go: once the cooldown is over, it is the half-open probe."""
-        if self.state == OPEN and not self.blocked:
-            self.state = HALF_OPEN
-
-    def succeeded(self) -> None:
-        self.streak = 0
-        if self.state != CLOSED:
-            self.state = CLOSED
-            log.info("upstream %s: circuit breaker closed (the probe succeeded)", self.name)
-
-    def failed(self) -> None:
-        self.streak += 1
-        if self.state == HALF_OPEN or (self.state == CLOSED and self.streak >= self.failures):
-            self.state = OPEN
-            self.opened_at = self._clock()
-            self.opened += 1
-            log.warning(
-                "upstream %s: circuit breaker open for %g s after %d failures in a row",
-                self.name,
-                self.cooldown,
-                self.streak,
-            )
-
-    def abandon(self) -> None:
-        """The probe ended without a verdict (cancelled, timed out): the next request probes again."""
-        if self.state == HALF_OPEN:
-            self.state = OPEN  # opened_at is over a cooldown ago: not blocked
-
-
-# --- pace ----------------------------------------------------------------------------------------------
-# An upstream's pace: seconds per generated token over its recent replies (time from sending to the
-# reply's end, over `usage.completion_tokens`), the ratio of two sums that decay with a time
-# constant of `window` seconds. It grows with the engine's batch and with a weaker or throttled
-# GPU, which is what an in-flight count cannot tell apart. It is unknown (None) until `PACE_MIN`
-# replies are in, and again after `3 * window` without one (the next reply starts afresh): the pick
-# then reads only in-flight counts, so an engine no session reaches any more is soon measured anew.
-# Known, it stays known while replies come, however few: an engine steered off keeps its pace.
-
-PACE_MIN = 20  # replies before a pace is trusted: a few are noise, not a slow engine
-
-
-class Pace:
-    """The pace of one upstream."""
-
-    __slots__ = ("window", "seconds", "tokens", "replies", "at", "_clock")
-
-    def __init__(self, window: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.window = window
-        self.seconds = 0.0
-        self.tokens = 0.0
-        self.replies = 0  # since it was last unknown
-        self.at = -math.inf  # when the last reply was observed
-        self._clock = clock
-
-    def observe(self, seconds: float, tokens: int) -> None:
-        """A reply that took `seconds` and generated `tokens` (at least one)."""
-        now = self._clock()
-        idle = now - self.at
-        if idle > 3.0 * self.window:  # stale (or the first): start afresh
-            self.seconds = self.tokens = 0.0
-            self.replies = 0
-            decay = 0.0
-        else:
-            decay = math.exp(-idle / self.window)
-        self.seconds = self.seconds * decay + seconds
-        self.tokens = self.tokens * decay + tokens
-        self.replies += 1
-        self.at = now
-
-    @property
-    def value(self) -> float | None:
-        """Seconds per token, or None while not known (too few replies, or none for a while)."""
-        if self.replies < PACE_MIN or self._clock() - self.at > 3.0 * self.window:
-            return None
-        return self.seconds / self.tokens

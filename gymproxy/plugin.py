@@ -86,16 +86,29 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
             table.append(web.route(method, prefix + scope + path, bound))
     if config.access.admin_port is None:
         table += _admin_routes(proxy, prefix)
+    table += _fleet_routes(proxy, prefix)
     table += _probes(proxy, prefix, app, ("/", *PROBES) if prefix else PROBES)
     app.router.add_routes(table)
     return proxy
 
 
 def admin_app(proxy: Proxy) -> web.Application:
-    """/health, /metrics and /admin/upstreams alone, for `access.admin_port`."""
+    """/health, /metrics, /admin/upstreams and /fleet/* alone, for `access.admin_port`."""
     app = web.Application()
-    app.router.add_routes(_admin_routes(proxy, "") + _probes(proxy, "", app, ("/", *PROBES)))
+    app.router.add_routes(_admin_routes(proxy, "") + _fleet_routes(proxy, "") + _probes(proxy, "", app, ("/", *PROBES)))
     return app
+
+
+def _fleet_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
+    """The weight-update controls: on the main port and on the admin port, never open while a key is set."""
+    broadcast = prefix + "/fleet/broadcast/{route}"
+    return [
+        web.post(prefix + "/fleet/pause", routes.bind(proxy, routes.fleet_pause, "/fleet/pause")),
+        web.post(prefix + "/fleet/resume", routes.bind(proxy, routes.fleet_resume, "/fleet/resume")),
+        web.post(broadcast, routes.bind(proxy, routes.fleet_broadcast, "/fleet/broadcast/{route}")),
+        web.get(broadcast, routes.bind(proxy, routes.fleet_broadcast, "/fleet/broadcast/{route}")),
+        web.get(prefix + "/fleet/status", routes.bind(proxy, routes.fleet_status, "/fleet/status")),
+    ]
 
 
 def _admin_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:

@@ -23,14 +23,16 @@ import msgspec
 
 from . import discovery
 from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_specs
+from .control import Control
 from .convert import boundary, completions
 from .convert.request import RequestReader
-from .fleet import Change, Fleet, upstream_name
+from .fleet import Change, Fleet
 from .http1 import Aborted
 from .metrics import Metrics
 from .overlay import Changes, Overlay
 from .peers import Peers
 from .templates import ChatTemplate
+from .upstream import upstream_name
 
 log = logging.getLogger("gymproxy")
 
@@ -88,6 +90,7 @@ class Proxy:
         self._capped: int | None = None  # how many upstreams were wanted when last over the cap
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
+        self.control = Control(self.fleet, config) if config.access.fleet_control else None  # /fleet/*
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
@@ -102,6 +105,8 @@ class Proxy:
         self.overlay.load()
         await self.discover()  # bounded (RESOLVE_TIMEOUT_S); later rounds retry
         self.apply()
+        if self.control is not None:
+            self.control.start()
         self._tasks = [
             asyncio.ensure_future(self.fleet.probe()),
             asyncio.ensure_future(self.fleet.watch_health()),
@@ -225,6 +230,7 @@ class Proxy:
         if self.fleet.client.in_use:
             log.warning("shutdown grace over: ending %d upstream requests in flight", self.fleet.client.in_use)
         self.fleet.client.abort(Aborted(SHUTTING_DOWN))
+        self.fleet.end_holds(SHUTTING_DOWN)
 
     def render_metrics(self) -> str:
         """This process's own `/metrics` text."""
@@ -232,6 +238,8 @@ class Proxy:
 
     async def close(self) -> None:
         self.fleet.stop()
+        if self.control is not None:
+            self.control.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

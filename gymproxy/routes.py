@@ -11,6 +11,8 @@ GET  /api/hello             Claude Code's reachability check
 GET  /health, /metrics      the fleet's state
 GET, POST /admin/upstreams, POST /admin/upstreams/{name}/drain, DELETE /admin/upstreams/{name}
                             the fleet listed and changed live (the changes behind a key when any is set)
+POST /fleet/pause, /fleet/resume, POST|GET /fleet/broadcast/{route}, GET /fleet/status
+                            weight updates across the fleet (control.py; behind a key, `access.fleet_control`)
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
 `bind` wraps every route: the loop check (`proxy.HOP_HEADER`), the inbound key check, the request
@@ -25,6 +27,7 @@ import asyncio
 import hmac
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, NamedTuple
 
@@ -34,6 +37,7 @@ from aiohttp import streams, web
 
 from . import messages, overlay
 from .config import BadUpstream, Config, UpstreamSpec, check_upstream
+from .control import PAUSE_MODES, ROUTES, Control, Outcome
 from .convert.request import to_chat_body
 from .errors import (
     BadRequest,
@@ -60,12 +64,12 @@ from .exchange import (
     Exchange,
     ResponsesAnswer,
 )
-from .fleet import Upstream, upstream_name
 from .ids import hex32
 from .pinning import read_cookie
 from .proxy import HOP_HEADER, Proxy
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
+from .upstream import Upstream, upstream_name
 
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
@@ -73,6 +77,8 @@ TOO_DEEP = "the request body is nested too deeply"
 LOOP = f"this request came back to the gymproxy that sent it ({HOP_HEADER}): an upstream URL leads to gymproxy itself"
 LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_VERSION = re.compile(r"[!-~]{1,128}")
+MIN_VERSION = "X-Min-Weight-Version"
 
 
 class Dialect(NamedTuple):
@@ -118,11 +124,16 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
                 raise LoopDetected(LOOP)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
+            least = headers.get(MIN_VERSION)
+            if least is not None:
+                caller.min_version = _min_version(least)
             response = await route(proxy, request, caller)
         except Exception as exc:
             response = render(exc, request, envelope)
         if not response.prepared:
             caller.stamp(response)  # errors of a new session carry its cookie too
+        if caller.weights is not None:
+            metrics.count_version(caller.weights)
         metrics.requests[(path, response.status)] += 1
         metrics.duration.observe(path, clock() - start)
         return response
@@ -312,6 +323,67 @@ def _known(proxy: Proxy, request: web.Request) -> str:
 
 def _fleet_response(proxy: Proxy, status: int = 200) -> web.Response:
     return web.Response(body=ENCODER.encode({"upstreams": proxy.fleet.states()}), status=status, content_type=JSON)
+
+
+# --- fleet control for weight updates (`access.fleet_control`; control.py) -------------------------
+
+
+async def fleet_pause(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /fleet/pause?mode=abort|wait|keep`: every engine paused (a barrier), new requests held."""
+    control = _control(proxy)
+    mode = request.query.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise BadRequest(f"mode must be one of {', '.join(PAUSE_MODES)}, not {mode[:64]!r}", param="mode")
+    rest = urllib.parse.urlencode([(k, v) for k, v in request.query.items() if k != "mode"])
+    ok, outcomes = await control.pause(mode, rest)
+    if ok:
+        return _control_response({"paused": True, "mode": mode, "engines": outcomes})
+    return _control_failed("pause_failed", "not every engine paused; those that did were resumed", outcomes)
+
+
+async def fleet_resume(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /fleet/resume`: every engine resumed, then what gymproxy held is sent."""
+    ok, outcomes, released = await _control(proxy).resume()
+    if ok:
+        return _control_response({"paused": False, "released": released, "engines": outcomes})
+    return _control_failed(
+        "resume_failed", f"not every engine resumed; gymproxy released its {released} held requests", outcomes
+    )
+
+
+async def fleet_broadcast(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST|GET /fleet/broadcast/{route}`: the body and query sent to `route` on every engine."""
+    control = _control(proxy)
+    route = request.match_info["route"]
+    method = ROUTES.get(route)
+    if method is None:
+        raise NotFound(f"{route[:64]!r} is not a route a broadcast reaches: one of {', '.join(ROUTES)}", param="route")
+    body = await read_body(request, proxy.config) if request.method == "POST" else b""
+    ok, outcomes = await control.broadcast(route, method, body or None, request.rel_url.raw_query_string)
+    if ok:
+        return _control_response({"route": route, "engines": outcomes})
+    return _control_failed("broadcast_failed", f"not every engine answered {route} with success", outcomes)
+
+
+async def fleet_status(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /fleet/status`: paused or not, held requests, and each engine's pause and weight version."""
+    return _control_response(await _control(proxy).status())
+
+
+def _control(proxy: Proxy) -> Control:
+    if proxy.control is None:
+        raise Forbidden("fleet control is off; set `access.fleet_control: true` to allow it")
+    return proxy.control
+
+
+def _control_response(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=ENCODER.encode(body), status=status, content_type=JSON)
+
+
+def _control_failed(code: str, message: str, outcomes: list[Outcome]) -> web.Response:
+    failed = "; ".join(f"{o.url}: {o.error or o.status}" for o in outcomes if not o.ok)
+    error = {"message": f"{message} ({failed})", "type": "upstream_error", "param": None, "code": code}
+    return _control_response({"error": error, "engines": outcomes}, status=502)
 
 
 async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
@@ -546,6 +618,16 @@ def _authorized(request: web.Request, keys: list[bytes], key_header: str | None 
         for key in keys:  # every key is compared, in constant time, so timing tells nothing
             ok |= hmac.compare_digest(candidate, key)
     return ok
+
+
+def _min_version(value: str) -> str:
+    """`X-Min-Weight-Version`, checked: a version as vLLM names them (short, visible ASCII)."""
+    value = value.strip()
+    if not _VERSION.fullmatch(value):
+        raise BadRequest(
+            f"{MIN_VERSION} must be a weight version of 1 to 128 visible ASCII characters", param=MIN_VERSION
+        )
+    return value
 
 
 def _request_id(given: str | None) -> str:

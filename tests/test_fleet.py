@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 import gymproxy
+from gymproxy import health
 from gymproxy import build_config, create_app
 from gymproxy.pinning import Signer
 from gymproxy.testing.fake_vllm import FakeVLLM
@@ -138,8 +139,8 @@ async def test_session_header_and_user_field_map_consistently(aiohttp_server, fl
 
 def test_rendezvous_moves_only_the_removed_share():
     from gymproxy.config import Config, UpstreamSpec
-    from gymproxy.fleet import Upstream
     from gymproxy.pinning import Pinner
+    from gymproxy.upstream import Upstream
 
     config = build_config({"base_url": "http://a/v1"}, environ={})
     ups = [Upstream(UpstreamSpec(url=f"http://u{i}/v1"), config) for i in range(4)]
@@ -240,7 +241,7 @@ async def test_health_checks_mark_down_and_back_up(aiohttp_server, fleet):
             await revived.cleanup()
 
 
-async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on(aiohttp_server, fleet, caplog):
+async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on(aiohttp_server, fleet, caplog, monkeypatch):
     """Any exception of one check, even a gymproxy bug, is one failed check: the loop lives on."""
     fakes, _ = fleet
     cfg = build_config({"base_url": [f.url for f in fakes], "health": {"interval": 0.05, "timeout": 1.0}}, environ={})
@@ -248,17 +249,17 @@ async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on
     proxy = gymproxy.setup(app, cfg)
     await aiohttp_server(app)
     fleet_ = proxy.fleet
-    real_get, broken = fleet_._get, fleet_.upstreams[0]
+    real_get, broken = health.get, fleet_.upstreams[0]
     calls = 0
 
-    async def sometimes_broken(upstream, route):
+    async def sometimes_broken(client, upstream, route, **kw):
         nonlocal calls
         if upstream is broken and route == "health" and calls < 3:
             calls += 1
             raise RuntimeError("a bug in one check")
-        return await real_get(upstream, route)
+        return await real_get(client, upstream, route, **kw)
 
-    fleet_._get = sometimes_broken
+    monkeypatch.setattr(health, "get", sometimes_broken)
     for _ in range(100):
         if fleet_.health_checks[(broken.name, "ok")] >= 2:
             break

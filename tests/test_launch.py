@@ -1056,3 +1056,13 @@ def test_the_reference_config_documents_every_launch_key():
     defaults = msgspec.to_builtins(Launch(model="Qwen/Qwen3-8B"))
     defaults["restart"] = msgspec.to_builtins(Restart())
     assert documented == defaults
+
+
+def test_with_fleet_control_replicas_run_in_vllm_dev_mode():
+    """`access.fleet_control`: vLLM mounts /pause, /resume and the weight routes only with
+    VLLM_SERVER_DEV_MODE=1, so every replica gets it; without fleet control none does."""
+    launch = {"model": "m", "replicas": 2, "vllm_bin": "/bin/sh", "base_port": free_ports(2)}
+    on = build_config({"port": 0, "access": {"fleet_control": True}, "launch": launch}, environ={})
+    off = build_config({"port": 0, "launch": {**launch, "base_port": free_ports(2)}}, environ={})
+    assert [r.env.get("VLLM_SERVER_DEV_MODE") for r in prepare(on, {"PATH": "/usr/bin"}).replicas] == ["1", "1"]
+    assert [r.env.get("VLLM_SERVER_DEV_MODE") for r in prepare(off, {"PATH": "/usr/bin"}).replicas] == [None, None]

@@ -15,8 +15,9 @@ import orjson
 import pytest
 from yarl import URL
 
-from gymproxy.fleet import retry_after
-from gymproxy.pinning import CLOSED, Signer
+from gymproxy.pinning import Signer
+from gymproxy.retry import retry_after
+from gymproxy.upstream import CLOSED
 
 from .faults import (
     CHAT,
@@ -97,9 +98,8 @@ def poisoned(upstream: RawUpstream) -> list[bool]:
     [
         (dies("reset"), "reset"),
         (fixed(503, vllm_error(503, BUSY)), "busy"),
-        (fixed(503, vllm_error(503, PAUSED)), "paused"),
     ],
-    ids=["died-reset", "busy-503", "paused-503"],
+    ids=["died-reset", "busy-503"],
 )
 async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp_server, ups, fault, reason):
     url, _ = await proxy(aiohttp_server, ups)
@@ -114,8 +114,25 @@ async def test_what_no_upstream_began_goes_to_the_next_and_the_pin_moves(aiohttp
     )  # the session moved; its cookie says where
     text = await metrics(url)
     assert f'gymproxy_retries_total{{reason="{reason}"}} 1' in text
-    moved = "busy" if reason in ("busy", "paused") else "down"
+    moved = "busy" if reason == "busy" else "down"
     assert f'gymproxy_pin_moves_total{{reason="{moved}"}} 1' in text
+
+
+async def test_a_paused_engines_503_waits_for_that_engine_and_goes_there_again(aiohttp_server, ups):
+    """vLLM's paused 503 (a trainer paused the engine for a weight update): the request is held and
+    sent to the same engine again once it resumes (it has no /is_paused here: after `hold.poll_s`).
+    The pin stays, and the breaker is not fed, even with `breaker.failures: 1`."""
+    url, _ = await proxy(aiohttp_server, ups, hold={"poll_s": 0.05}, breaker={"failures": 1})
+    a = ups[0]
+    a.push(fixed(503, vllm_error(503, PAUSED)), fixed(503, vllm_error(503, PAUSED)))
+    status, body, pin = await ask(url, a)
+    assert status == 200, body
+    assert a.generations() == 3 and sum(u.generations() for u in ups[1:]) == 0
+    assert pin is None  # the session stays where its prefix cache is
+    text = await metrics(url)
+    assert 'gymproxy_retries_total{reason="paused"} 2' in text
+    assert "gymproxy_pin_moves_total" not in text or 'reason="busy"} 1' not in text
+    assert 'gymproxy_upstream_breaker_opened_total{upstream="%s"} 0' % a.url in text
 
 
 async def test_an_upstream_at_its_cap_sends_the_session_to_the_next_at_once(aiohttp_server, ups):
@@ -288,7 +305,7 @@ async def test_attempts_bound_the_retries_and_vllms_503_is_handed_on(aiohttp_ser
 
 
 async def test_backoff_between_failures_of_one_kind_is_bounded(aiohttp_server, ups, monkeypatch):
-    import gymproxy.fleet
+    import gymproxy.retry
 
     waits: list[float] = []
 
@@ -296,7 +313,7 @@ async def test_backoff_between_failures_of_one_kind_is_bounded(aiohttp_server, u
         waits.append(high)
         return high
 
-    monkeypatch.setattr(gymproxy.fleet.random, "uniform", longest)
+    monkeypatch.setattr(gymproxy.retry.random, "uniform", longest)
     url, _ = await proxy(aiohttp_server, ups[:2], retries={"attempts": 5, "backoff_s": 0.05, "backoff_max_s": 0.15})
     for upstream in ups[:2]:
         upstream.default = fixed(503, vllm_error(503, BUSY))
@@ -310,10 +327,10 @@ async def test_backoff_between_failures_of_one_kind_is_bounded(aiohttp_server, u
 
 
 async def test_the_deadline_bounds_the_retries(aiohttp_server, ups, monkeypatch):
-    import gymproxy.fleet
+    import gymproxy.retry
 
     # Jitter pinned to its maximum: with full jitter, 8 draws under 0.5 s in all happen 3% of the time.
-    monkeypatch.setattr(gymproxy.fleet.random, "uniform", lambda low, high: high)
+    monkeypatch.setattr(gymproxy.retry.random, "uniform", lambda low, high: high)
     url, _ = await proxy(
         aiohttp_server, ups[:2], retries={"attempts": 50, "deadline_s": 0.5, "backoff_s": 0.2, "backoff_max_s": 0.2}
     )

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from gymproxy.errors import NoUpstream
-from gymproxy.pinning import CLOSED, HALF_OPEN, OPEN, Breaker, Pace, Pinner, Signer, _score
+from gymproxy.pinning import Pinner, Signer, _score
+from gymproxy.upstream import CLOSED, HALF_OPEN, OPEN, Breaker, Pace
 
 
 class Clock:
@@ -273,7 +274,7 @@ class Counting(list):
 
 def test_a_pin_on_a_fine_upstream_never_walks_the_fleet():
     """The hot path: with the fleet's tally, checking a valid pin is O(1) at any load."""
-    from gymproxy.pinning import Tally
+    from gymproxy.upstream import Tally
 
     ups = [Up(f"u{i}") for i in range(16)]
     tally = Tally()

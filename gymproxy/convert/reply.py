@@ -42,7 +42,9 @@ from .boundary import split_think
 from .request import namespace_map, restore
 from .tokens import TokenInfo, attach_to_chat
 
-INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter"}
+# vLLM's "abort" (a pause for a weight update cut the generation) is a reason of gymproxy's own:
+# the Responses API has none for it, and a turn cut short must not look complete.
+INCOMPLETE_REASONS = {"length": "max_output_tokens", "content_filter": "content_filter", "abort": "abort"}
 
 NO_PARSER = (
     "the upstream returned a reasoning field, but gymproxy's config says `uses_reasoning_parser: false`; "
@@ -264,6 +266,8 @@ def attach_tokens(response: Response, info: TokenInfo) -> None:
     item.generation_token_ids = info.generation_token_ids
     item.generation_log_probs = info.generation_log_probs
     item.routed_experts = info.routed_experts
+    if info.weight_version is not None:
+        item.weight_version = info.weight_version
 
 
 def echo(req: ResponsesRequest) -> dict[str, Any]:

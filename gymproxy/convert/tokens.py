@@ -38,6 +38,7 @@ class TokenInfo(msgspec.Struct, kw_only=True):
     generation_log_probs: list[float]
     routed_experts: Any = None
     from_bundle: bool = False
+    weight_version: str | None = None  # the engine's weight version(s) while it was sampled
 
 
 def from_reply(reply: dict[str, Any]) -> TokenInfo:

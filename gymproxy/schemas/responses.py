@@ -72,6 +72,7 @@ class InputItem(Wire, kw_only=True):
     generation_token_ids: list[int] | None = None
     generation_log_probs: list[float] | None = None
     routed_experts: Any = None
+    weight_version: Any = None  # what gymproxy stamped on it; accepted and not used
 
 
 # --- request: tools, tool_choice, reasoning, text -------------------------------------------
@@ -315,6 +316,7 @@ class TokenFields(Reply, kw_only=True):
     generation_token_ids: list[int] | UnsetType = UNSET
     generation_log_probs: list[float] | UnsetType = UNSET
     routed_experts: Any = UNSET
+    weight_version: str | UnsetType = UNSET  # the engine's weight version(s) while it was sampled
 
 
 class ReasoningItem(TokenFields, tag_field="type", tag="reasoning", kw_only=True):
