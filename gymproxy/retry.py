@@ -121,6 +121,7 @@ class Attempts:
             if now >= self.hold_until:
                 return Decision(ANSWER, ABANDON)
             self.holds += 1
+            self.here = True
             return Decision(HOLD, ABANDON)
         if kind == "full":
             if self.single or len(self.tried) + 1 >= fleet:

@@ -1,0 +1,349 @@
+"""Fleet control for weight updates (`access.fleet_control`, control.py and pause.py): the pause
+barrier, held requests, broadcasts, weight versions on replies, and the hostile cases: an engine that
+never answers /pause, one that dies while paused, a resume that never comes, a flood while paused.
+
+The engines are fake vLLMs in dev mode (`VLLM_SERVER_DEV_MODE=1`), which pause as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from gymproxy.testing.fake_vllm import FakeVLLM, Script
+
+from .faults import eventually, start_proxy
+
+CHAT = "/v1/chat/completions"
+KEY = "sk-trainer"
+
+
+def chat(text: str = "hi", *, stream: bool = False) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], "stream": stream}
+
+
+async def engines(aiohttp_server: Any, n: int = 2, **options: Any) -> list[FakeVLLM]:
+    fakes = []
+    for _ in range(n):
+        fake = FakeVLLM(dev_mode=True, **options)
+        server = await aiohttp_server(fake.app)
+        fake.url = str(server.make_url("/v1"))
+        fakes.append(fake)
+    return fakes
+
+
+async def gymproxy_for(aiohttp_server: Any, fakes: list[FakeVLLM], **config: Any) -> tuple[str, Any]:
+    config.setdefault("access", {"fleet_control": True})
+    config.setdefault("pinning", {"secret": "s"})
+    config.setdefault("health", {"interval": 60})
+    return await start_proxy(aiohttp_server, [f.url for f in fakes], **config)
+
+
+def generations(fake: FakeVLLM) -> int:
+    """Generation requests the engine received (it records its control routes too)."""
+    return sum(1 for r in fake.requests if r.path.endswith("/completions"))
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any = None, **kw: Any) -> tuple[int, Any, Any]:
+    async with session.post(url, json=body, **kw) as r:
+        data = await r.read()
+        return r.status, orjson.loads(data) if data else None, r.headers
+
+
+async def turn(session: aiohttp.ClientSession, url: str, text: str, **kw: Any) -> tuple[int, Any, Any]:
+    return await post(session, url + CHAT, chat(text), **kw)
+
+
+# --- access ---------------------------------------------------------------------------------------
+
+
+async def test_fleet_routes_are_off_by_default_and_keyed_when_keys_are_set(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    off, _ = await gymproxy_for(aiohttp_server, fakes, access={})
+    keyed, _ = await gymproxy_for(aiohttp_server, fakes, access={"fleet_control": True, "api_keys": [KEY]})
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, off + "/fleet/pause")
+        assert status == 403 and "access.fleet_control" in body["error"]["message"]
+        for path in ("/fleet/pause", "/fleet/resume", "/fleet/broadcast/update_weight_version"):
+            status, body, _ = await post(session, keyed + path)
+            assert status == 401, path
+        async with session.get(keyed + "/fleet/status") as r:
+            assert r.status == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        status, body, _ = await post(session, keyed + "/fleet/pause?mode=sideways", headers=auth)
+        assert status == 400 and body["error"]["param"] == "mode"
+        status, body, _ = await post(session, keyed + "/fleet/broadcast/generate", headers=auth)
+        assert status == 404 and body["error"]["param"] == "route"
+        assert fakes[0].pause_mode is None  # none of it reached the engine
+
+
+# --- the weight update, end to end ----------------------------------------------------------------
+
+
+async def test_an_abort_update_loses_no_turn_and_every_reply_names_its_weights(aiohttp_server):
+    """pause?mode=abort with whole replies in flight, a version broadcast, resume: each client gets one
+    whole reply, sampled with the new weights; requests that came while paused were held, not sent."""
+    fakes = await engines(aiohttp_server)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes)
+    for fake in fakes:
+        fake.push(*[Script(content=" ".join(["w"] * 40), chunk_delay=0.05)] * 3)
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "1"})
+        assert status == 200 and [e["status"] for e in body["engines"]] == [200, 200]
+        flying = [asyncio.ensure_future(turn(session, url, f"in flight {i}")) for i in range(4)]
+        assert await eventually(lambda: sum(generations(f) for f in fakes) >= 4)
+        await asyncio.sleep(0.2)  # generating
+        status, body, _ = await post(session, url + "/fleet/pause?mode=abort")
+        assert status == 200 and body["paused"] is True, body
+        late = [asyncio.ensure_future(turn(session, url, f"late {i}")) for i in range(3)]
+        assert await eventually(lambda: proxy.fleet.holds.count == 3 + 4)  # the aborted ones wait too
+        sent_while_paused = sum(generations(f) for f in fakes)
+        status, body, _ = await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "2"})
+        assert status == 200
+        async with session.get(url + "/fleet/status") as r:
+            state = await r.json()
+        assert state["paused"] and state["held"] == 7 and state["weight_version"] == "2"
+        assert [e["paused"] for e in state["engines"]] == [True, True]
+        await asyncio.sleep(0.1)
+        assert sum(generations(f) for f in fakes) == sent_while_paused  # nothing was sent while paused
+        status, body, _ = await post(session, url + "/fleet/resume")
+        assert status == 200 and body["released"] == 7
+        replies = await asyncio.gather(*flying, *late)
+    for status, body, headers in replies:
+        assert status == 200, body
+        assert body["choices"][0]["finish_reason"] == "stop", body  # never the aborted reply
+        assert headers["X-Weight-Version"] == "2"
+    # Every request the engines answered after the resume was sampled with version 2 alone.
+    resent = [v for f in fakes for v in f.sampled_versions.values() if v and v[-1] == "2"]
+    assert len(resent) == 7 and all(v == ["2"] for v in resent), resent
+    text = proxy.render_metrics()
+    assert 'gymproxy_retries_total{reason="abort"} 4' in text
+    assert 'gymproxy_fleet_pause_seconds_count{mode="abort"} 1' in text
+    assert 'gymproxy_replies_by_weight_version_total{version="2"} 7' in text
+
+
+async def test_a_keep_pause_lets_streams_in_flight_finish_after_the_resume(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    url, _ = await gymproxy_for(aiohttp_server, fakes)
+    fakes[0].push(*[Script(content=" ".join(["k"] * 30), chunk_delay=0.05)] * 2)
+
+    async def stream(session: aiohttp.ClientSession) -> tuple[bytes, str | None]:
+        async with session.post(url + CHAT, json=chat("s", stream=True)) as r:
+            return await r.read(), r.headers.get("X-Weight-Version")
+
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "7"})
+        streams = [asyncio.ensure_future(stream(session)) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        status, _, _ = await post(session, url + "/fleet/pause?mode=keep")
+        assert status == 200 and fakes[0].pause_mode == "keep"
+        await asyncio.sleep(0.3)
+        assert not any(s.done() for s in streams)  # frozen, not cut
+        await post(session, url + "/fleet/resume")
+        done = await asyncio.wait_for(asyncio.gather(*streams), 10)
+    for body, version in done:
+        assert body.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"stop"' in body.replace(b" ", b"")
+        assert version == "7"
+
+
+# --- hostile cases --------------------------------------------------------------------------------
+
+
+async def test_an_engine_that_never_answers_pause_fails_the_barrier_and_the_others_resume(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    stuck = web.Application()
+
+    async def never(request: web.Request) -> web.Response:
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    stuck.router.add_route("*", "/{tail:.*}", never)
+    silent = await aiohttp_server(stuck)
+    silent_url = str(silent.make_url("/v1"))
+    url, proxy = await start_proxy(
+        aiohttp_server,
+        [fakes[0].url, silent_url],
+        access={"fleet_control": True},
+        fleet_control={"pause_timeout_s": 0.5},
+        health={"interval": 60},
+    )
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, url + "/fleet/pause?mode=abort")
+        assert status == 502 and body["error"]["code"] == "pause_failed"
+        assert silent_url.removesuffix("/v1") in body["error"]["message"]
+        by_url = {e["url"]: e for e in body["engines"]}
+        assert "no answer from pause within 0.5 s" in by_url[silent_url.removesuffix("/v1") + "/v1"]["error"]
+        assert by_url[fakes[0].url]["resumed"] is True
+        assert fakes[0].pause_mode is None and not proxy.fleet.holds.paused  # never left half paused
+
+
+async def test_a_resume_that_never_comes_ends_each_held_request_with_a_503_in_time(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes, hold={"timeout_s": 0.5})
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/pause")
+        replies = await asyncio.wait_for(asyncio.gather(*(turn(session, url, "x") for _ in range(5))), 5)
+    for status, body, headers in replies:
+        assert status == 503 and headers["Retry-After"] == "1" and body["error"]["code"] == "paused"
+        assert "hold.timeout_s" in body["error"]["message"]
+    assert proxy.fleet.holds.count == 0 and proxy.fleet.holds.bytes == 0  # nothing left held
+    assert generations(fakes[0]) == 0
+
+
+async def test_ten_thousand_requests_while_paused_hold_at_most_the_cap(aiohttp_server):
+    """Past `hold.max_requests` a request is refused at once (503, Retry-After), so memory is
+    bounded; the ones held are all answered once the fleet resumes."""
+    fakes = await engines(aiohttp_server, 1)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes, hold={"max_requests": 100})
+    holds = proxy.fleet.holds
+    most = 0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    connector = aiohttp.TCPConnector(limit=400)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await post(session, url + "/fleet/pause")
+
+        async def one(i: int) -> int:
+            nonlocal most
+            async with session.post(url + CHAT, json=chat(f"flood {i}")) as r:
+                await r.read()
+                most = max(most, holds.count)
+                assert r.status in (200, 503)
+                if r.status == 503:
+                    assert r.headers["Retry-After"] == "1"
+                return r.status
+
+        flood = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(10_000))))
+        assert await eventually(lambda: holds.refused >= 9_900, seconds=120)
+        await post(session, url + "/fleet/resume")
+        statuses = await asyncio.wait_for(flood, 120)
+    assert statuses.count(200) == 100 and statuses.count(503) == 9_900
+    assert most <= 100 and holds.count == 0
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 200, grown_mb
+
+
+async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker(aiohttp_server):
+    """The trainer pauses the engine itself (vLLM 0.33+ answers 503 "Generation is paused"): the
+    request waits for that engine (its /is_paused polled) and is served there once it resumes; with
+    `breaker.failures: 1`, no breaker opens and no session moves."""
+    fakes = await engines(aiohttp_server, 2, paused_503=True)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes, access={}, breaker={"failures": 1}, hold={"poll_s": 0.05})
+    async with aiohttp.ClientSession() as session:
+        status, _, headers = await turn(session, url, "first")
+        assert status == 200
+        cookie = headers["Set-Cookie"].split(";")[0]
+        pinned = next(f for f in fakes if f.requests)
+        await pinned.pause("abort")
+        waiting = asyncio.ensure_future(turn(session, url, "second", headers={"Cookie": cookie}))
+        assert await eventually(lambda: proxy.fleet.engines.waiting(proxy.fleet.upstreams[fakes.index(pinned)]) == 1)
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        pinned.resume()
+        status, body, _ = await asyncio.wait_for(waiting, 5)
+    assert status == 200, body
+    assert generations(pinned) >= 3  # 200, 503, 200
+    assert sum(generations(f) for f in fakes) == generations(pinned)
+    text = proxy.render_metrics()
+    assert "gymproxy_upstream_breaker_opened_total" in text and ' 1\n' not in "".join(
+        line + "\n" for line in text.splitlines() if line.startswith("gymproxy_upstream_breaker_opened_total")
+    )
+
+
+async def test_min_weight_version_holds_a_request_until_its_engine_has_it(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    url, _ = await gymproxy_for(aiohttp_server, fakes, hold={"timeout_s": 1.0})
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "4"})
+        status, _, headers = await turn(session, url, "now", headers={"X-Min-Weight-Version": "3"})
+        assert status == 200 and headers["X-Weight-Version"] == "4"
+        waiting = asyncio.ensure_future(turn(session, url, "later", headers={"X-Min-Weight-Version": "5"}))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "5"})
+        status, _, headers = await asyncio.wait_for(waiting, 5)
+        assert status == 200 and headers["X-Weight-Version"] == "5"
+        status, body, _ = await turn(session, url, "never", headers={"X-Min-Weight-Version": "9"})
+        assert status == 503 and "hold.timeout_s" in body["error"]["message"]
+        status, body, _ = await turn(session, url, "bad", headers={"X-Min-Weight-Version": "a b"})
+        assert status == 400 and body["error"]["param"] == "X-Min-Weight-Version"
+
+
+async def test_an_engine_that_dies_while_paused_is_reported_and_its_sessions_go_on(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    victim = FakeVLLM(dev_mode=True)
+    runner = web.AppRunner(victim.app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    victim.url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    url, proxy = await gymproxy_for(aiohttp_server, [*fakes, victim])
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/pause")
+        held = [asyncio.ensure_future(turn(session, url, f"held {i}")) for i in range(6)]
+        assert await eventually(lambda: proxy.fleet.holds.count == 6)
+        await runner.cleanup()  # the engine dies while paused
+        status, body, _ = await post(session, url + "/fleet/resume")
+        assert status == 502 and victim.url.removesuffix("/v1") in body["error"]["message"]
+        replies = await asyncio.wait_for(asyncio.gather(*held), 10)
+    assert [r[0] for r in replies] == [200] * 6, replies
+    assert generations(fakes[0]) == 6
+
+
+async def test_an_engine_added_while_paused_joins_paused(aiohttp_server):
+    fakes = await engines(aiohttp_server, 2)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes[:1], access={"fleet_control": True, "admin_fleet_changes": True})
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/pause?mode=keep")
+        status, _, _ = await post(session, url + "/admin/upstreams", {"url": fakes[1].url, "name": "late"})
+        assert status == 201
+        assert await eventually(lambda: fakes[1].pause_mode == "keep")
+        await post(session, url + "/fleet/resume")
+        assert fakes[1].pause_mode is None
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_a_pause_while_a_breaker_is_half_open_lets_its_probe_decide_after_the_resume(aiohttp_server, mode):
+    fakes = await engines(aiohttp_server, 2)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes, breaker={"failures": 1, "cooldown_s": 0.2})
+    breaker = proxy.fleet.upstreams[0].breaker
+    breaker.failed()  # open
+    await asyncio.sleep(0.3)  # cooled down: the next request to it is the half-open probe
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + f"/fleet/pause?mode={mode}")
+        held = [asyncio.ensure_future(turn(session, url, f"p{i}")) for i in range(4)]
+        assert await eventually(lambda: proxy.fleet.holds.count == 4)
+        await post(session, url + "/fleet/resume")
+        replies = await asyncio.wait_for(asyncio.gather(*held), 10)
+    assert [r[0] for r in replies] == [200] * 4
+    assert not breaker.blocked  # the probe went, after the resume, and closed it
+
+
+async def test_a_stream_an_abort_cuts_ends_saying_why(aiohttp_server):
+    """A stream cannot be taken back once under way: cut by an abort pause, a Responses stream ends
+    with `response.incomplete` (reason "abort"), a chat stream with `finish_reason: "abort"`."""
+    fakes = await engines(aiohttp_server, 1)
+    url, _ = await gymproxy_for(aiohttp_server, fakes)
+    fakes[0].push(*[Script(content=" ".join(["c"] * 60), chunk_delay=0.05)] * 2)
+    async with aiohttp.ClientSession() as session:
+
+        async def read(path: str, body: dict[str, Any]) -> bytes:
+            async with session.post(url + path, json=body) as r:
+                return await r.read()
+
+        responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
+        chats = asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
+        await asyncio.sleep(0.4)
+        await post(session, url + "/fleet/pause?mode=abort")
+        streamed, chatted = await asyncio.wait_for(asyncio.gather(responses, chats), 10)
+        await post(session, url + "/fleet/resume")
+    last = [line for line in streamed.split(b"\n") if line.startswith(b"data: ")][-1]
+    event = orjson.loads(last[6:])
+    assert event["type"] == "response.incomplete", event
+    assert event["response"]["incomplete_details"] == {"reason": "abort"}
+    assert b'"finish_reason":"abort"' in chatted.replace(b" ", b"") and chatted.endswith(b"data: [DONE]\n\n")
