@@ -61,6 +61,7 @@ from .upstream import CLOSED, HALF_OPEN, OPEN, Sent, Tally, Upstream, read, show
 
 log = logging.getLogger("gymproxy")
 
+GENERATING = frozenset({"chat", "completions", "responses", "messages"})  # routes held while the fleet is paused
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 DRAIN_POLL_S = 0.1  # how often a removed upstream's in-flight count is looked at until it is 0
 
@@ -250,8 +251,9 @@ class Fleet:
         size = len(data) if data is not None else 0
         upstream: Upstream
         pin: str | None
+        held = route in GENERATING  # /v1/models and /tokenize are answered while paused
         while True:
-            if holds.paused:
+            if holds.paused and held:
                 await holds.wait(holds.gate, tries.hold_until, size, "the fleet is paused for a weight update")
             if single:
                 upstream, pin = self.upstreams[0], None

@@ -78,7 +78,7 @@ class Launched:
         command = [sys.executable, "-m", "gymproxy", "serve", "--port", str(self.port), "--launch-vllm", args]
         command += ["--replicas", str(replicas), "--gpus-per-replica", "0", "--vllm-bin", str(vllm)]
         command += ["--set", "launch.stop_grace_s=20", "--set", "launch.restart.backoff_s=1"]
-        command += ["--set", "pinning.secret=launch-integration"]
+        command += ["--set", "pinning.secret=launch-integration", "--set", "access.fleet_control=true"]
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 command,
@@ -172,6 +172,94 @@ def test_launched_replicas_serve_responses_and_chat(launched: Launched) -> None:
     assert "vllm-0 ready after" in log and "vllm-1 ready after" in log
 
 
+def control(launched: Launched, path: str, body: Any = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(launched.url + path, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, dict(json.load(reply))
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(json.load(exc))
+
+
+def long_turn(launched: Launched, key: str, *, stream: bool) -> tuple[int, str, str | None]:
+    """A turn that generates 200 tokens (ignore_eos): status, the finish reason (or error), X-Weight-Version."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    request = urllib.request.Request(
+        launched.url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-Session-ID": key},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            version = reply.headers.get("X-Weight-Version")
+            if not stream:
+                return reply.status, json.load(reply)["choices"][0]["finish_reason"], version
+            finish = "none"
+            for line in reply.read().decode().splitlines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        finish = choice.get("finish_reason") or finish
+            return reply.status, finish, version
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace"), None
+
+
+def in_flight(launched: Launched, count: int, *, stream: bool) -> tuple[list[threading.Thread], list[Any]]:
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda i=i: results.append(long_turn(launched, f"update-{i}", stream=stream)))
+        for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched) -> None:
+    """Real vLLM replicas (VLLM_SERVER_DEV_MODE=1, set by gymproxy): keep with streams in flight, a
+    version broadcast, resume: every stream completes and names the new version; abort with whole
+    replies in flight: each client gets one whole reply (re-sent after the resume), none aborted."""
+    status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "1"})
+    assert status == 200 and [e["status"] for e in body["engines"]] == [200, 200], body
+    threads, results = in_flight(launched, 4, stream=True)
+    time.sleep(1.0)  # generating
+    status, body = control(launched, "/fleet/pause?mode=keep")
+    assert status == 200 and body["paused"], body
+    status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "2"})
+    assert status == 200, body
+    status, state = control(launched, "/fleet/status", method="GET")
+    assert state["paused"] and [e["weight_version"] for e in state["engines"]] == ["2", "2"], state
+    assert [e["paused"] for e in state["engines"]] == [True, True], state
+    status, body = control(launched, "/fleet/resume")
+    assert status == 200, body
+    for thread in threads:
+        thread.join(300)
+    assert [(r[0], r[1]) for r in results] == [(200, "length")] * 4, results  # every stream completed
+
+    threads, results = in_flight(launched, 4, stream=False)
+    time.sleep(1.0)
+    status, body = control(launched, "/fleet/pause?mode=abort")
+    assert status == 200, body
+    control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "3"})
+    time.sleep(0.5)  # "transfer"
+    status, body = control(launched, "/fleet/resume")
+    assert status == 200, body
+    for thread in threads:
+        thread.join(300)
+    assert [r[:2] for r in results] == [(200, "length")] * 4, results  # whole, never "abort"
+    assert [r[2] for r in results] == ["3"] * 4, results
+    with urllib.request.urlopen(launched.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert 'gymproxy_retries_total{reason="abort"}' in text
+
+
 def test_sigkill_of_a_replica_fails_over_and_it_serves_again(launched: Launched) -> None:
     victim = next(r for r in launched.replicas() if r["name"] == "vllm-0")
     before = group(victim["pid"])  # the API server and its EngineCore
@@ -216,6 +304,12 @@ def test_sigkill_of_a_replica_fails_over_and_it_serves_again(launched: Launched)
     )
     wait_until(lambda: all(u["healthy"] for u in launched.health()["upstreams"]), "vllm-0 healthy", 60)
     assert not [pid for pid in before if pid in group(victim["pid"])], "the killed replica's EngineCore outlived it"
+    # It came back with its first weights, not the fleet's (the update test set version 3): it
+    # takes no requests until the trainer gives it the fleet's version.
+    status, state = control(launched, "/fleet/status", method="GET")
+    assert {e["name"]: e["stale"] for e in state["engines"]} == {"vllm-0": True, "vllm-1": False}, state
+    status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "3"})
+    assert status == 200, body
     # It serves again: new sessions reach it (their keys hash to it about half the time).
     served_there = launched.served("vllm-0")
     for turn in range(16):
