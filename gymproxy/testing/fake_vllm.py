@@ -866,6 +866,7 @@ class Scheduler:
             gen.wake = None
 
     def cut(self, gens: Iterable[_Generation]) -> list[_Generation]:
+        """Abort these generations: each ends at once, with the tokens it made."""
         cut = list(gens)
         for gen in cut:
             gen.cut = True
@@ -874,6 +875,8 @@ class Scheduler:
 
     async def pause(self, mode: str) -> None:
         """Pause as `mode` says; returns once aborted generations ended (`abort`) or running ones finished (`wait`)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")  # as vLLM's engine says it
         self.mode = mode
         for gen in self.inflight:
             _settle(gen.wake)  # a frozen one steps again under abort or wait
