@@ -15,7 +15,9 @@ replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $
 and writes its environment to $FAKE_VLLM_DIR/env-<replica>-<start>.json.
 
 As vLLM does, it checks an API key on every `/v1/*` route when it has one (`--api-key`, else
-$VLLM_API_KEY): a request without `Authorization: Bearer <key>` gets 401; `/health` stays open.
+$VLLM_API_KEY): a request without `Authorization: Bearer <key>` gets 401; `/health` stays open. With
+VLLM_SERVER_DEV_MODE=1 it serves vLLM's RL routes (`/pause`, `/resume`, `/update_weight_version`, ...),
+and with FAKE_VLLM_PAUSED_503=1 answers new requests in an abort or wait pause 503, as vLLM 0.33 does.
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ def main() -> None:
 
     from aiohttp import web
 
-    from gymproxy.testing.fake_vllm import FakeVLLM
+    from gymproxy.testing.fake_vllm import from_environment
 
-    app = FakeVLLM(model=model, max_model_len=4096).app
+    app = from_environment(model=model, max_model_len=4096).app  # VLLM_SERVER_DEV_MODE=1: the RL routes
     key = flag(args, "--api-key", "") if "--api-key" in args else os.environ.get("VLLM_API_KEY", "")
     if key and action != "nokey":
 

@@ -31,6 +31,28 @@ in the Anthropic envelope `{"type": "error", "error": {"type", "message"}}` with
 vLLM's OpenAI-style 400, as FastAPI's handler answers it. `count_tokens` answers `{"input_tokens": N}`
 (and `context_management`) with N the chat prompt's token count.
 
+Generation runs on a scheduler, as vLLM's engine does (`Scheduler`): a reply makes its tokens one
+`chunk_delay` apart, streamed or not, so a test can have it in flight (`await fake.scheduler.generating()`)
+when a pause comes. With dev mode on (`FakeVLLM(dev_mode=True)`, or VLLM_SERVER_DEV_MODE=1 in the
+environment of `run`, `start` and `python -m gymproxy.testing.fake_vllm`, as vLLM mounts them) it serves
+vLLM's RL and dev routes (`vllm/entrypoints/rl/online/api_router.py`, `serve/dev/`), with their bodies
+and their refusals (FastAPI's validation errors through vLLM's 400 handler); without, they are 404:
+- `POST /pause?mode=abort|wait|keep&clear_cache=`: `abort` (the default) ends every generation at once,
+  200 with the tokens so far and `finish_reason: "abort"` (streamed: a finish chunk saying so, then the
+  usage chunk if asked and `[DONE]`; one cut before its first token gets no finish chunk, as vLLM skips
+  its empty output; Messages has no stop reason for it), and answers once they have ended; `wait`
+  answers once the generations in flight have finished; `keep` freezes them (no chunk until
+  `POST /resume`). New requests while paused are queued until `/resume`, as vLLM 0.32 does; with
+  `paused_503` (`--paused-503`, FAKE_VLLM_PAUSED_503=1) those in an abort or wait pause get 503
+  "Generation is paused. Please retry after it resumes.", as 0.33 does. `GET /is_paused`.
+- `POST /update_weight_version {"new_version"}`, `POST /finish_weight_update {"weight_version"?}` set the
+  version `GET /weight_info` reports (null at first) and `fake.weight_version` holds; every generation
+  records the versions the engine had while it made its tokens, in `fake.sampled_versions` by
+  X-Request-Id (else the reply's id). No reply carries them: vLLM 0.32's do not.
+- `/abort_requests {request_ids?}` cuts those generations (all by default) without pausing; `/sleep`
+  pauses (in its `mode`) and `/wake_up` resumes; the weight transfer routes, `/weight_checker`,
+  `/reset_prefix_cache`, `/reset_mm_cache`, `/is_sleeping` and `/collective_rpc` answer what vLLM does.
+
 The tokenizer is crude but deterministic: one token per word, counting the whitespace before it,
 with id = crc32(piece) mod 50000. Every id the fake reports (prompt ids, `/tokenize`, generated ids
 and logprob tokens) comes from that one function, so they all agree.
@@ -44,13 +66,15 @@ import bisect
 import collections
 import functools
 import itertools
+import json
+import os
 import re
 import socket
 import struct
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Final, NamedTuple
 
 import msgspec
@@ -58,12 +82,14 @@ import orjson
 from aiohttp import web
 
 Json = dict[str, Any]
+ControlHandler = Callable[[web.Request, bytes], Awaitable[Json | web.StreamResponse]]
 Frames = tuple[list[bytes], list[bytes], list[bytes]]  # head, body (cut by fail_mid_stream), tail
 
 VLLM_STREAM_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE: Final = b"data: [DONE]\n\n"
 VOCAB_SIZE: Final = 50_000
 POLL_SECONDS: Final = 0.02
+FROZEN_POLL_S: Final = 0.25  # how often a frozen or queued generation looks whether its client left
 GENERATION_PATHS: Final = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 FAILURE_MODES: Final = ("reset", "truncate", "bad_json", "error")
 # The demo fake (`gymproxy serve` with no upstream, `gymproxy fake-vllm`) takes what real agent
@@ -73,6 +99,12 @@ COMPLETIONS_MAX_TOKENS: Final = 16  # vLLM's default for /v1/completions; chat h
 MID_STREAM_ERROR: Final = "fake vLLM: injected mid-stream error"
 ANTHROPIC_STOP: Final = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 BILLING_HEADER: Final = "x-anthropic-billing-header"  # Claude Code's per-request system block; vLLM drops it
+
+PAUSE_MODES: Final = ("abort", "wait", "keep")
+PAUSED_MESSAGE: Final = "Generation is paused. Please retry after it resumes."  # vLLM >= 0.33, in abort and wait
+DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"  # vLLM mounts its RL and dev routes only with it set (to a nonzero int)
+PAUSED_503_ENV: Final = "FAKE_VLLM_PAUSED_503"  # 1: answer new requests 503 in abort and wait pauses, as 0.33 does
+CHECKERS: Final = ("checksum", "reset", "compare")
 
 _PIECE: Final = re.compile(r"\s*\S+(?:\s+\Z)?|\s+")  # trailing whitespace joins the last word
 _ERROR_DIRECTIVE: Final = re.compile(r"\[\[error:(\d{3})\]\]")
@@ -277,6 +309,30 @@ class _Turn(NamedTuple):
         return dict(id=self.id, object=obj, created=self.created, model=self.model, **fields)
 
 
+def _cut(t: _Turn, done: int) -> _Turn:
+    """The turn as an abort leaves it: its first `done` steps, `finish_reason: "abort"`.
+
+    A tool call cut midway is dropped (its tokens stay in the token ids): its arguments are no JSON yet.
+    """
+    steps = t.steps[:done]
+    s = t.script
+
+    def text(key: str, whole: str | None) -> str | None:
+        return None if whole is None else "".join(step.delta[key] for step in steps if key in step.delta)
+
+    def calls(step: _Step) -> list[int]:
+        return [call["index"] for call in step.delta.get("tool_calls", ())]
+
+    made = collections.Counter(i for step in steps for i in calls(step))
+    wanted = collections.Counter(i for step in t.steps for i in calls(step))
+    whole = [call for i, call in enumerate(s.tool_calls or []) if made[i] == wanted[i]]
+    script = msgspec.structs.replace(
+        s, content=text("content", s.content), reasoning=text(s.reasoning_key, s.reasoning),
+        tool_calls=whole or None, finish_reason="abort",
+    )  # fmt: skip
+    return t._replace(script=script, steps=steps)
+
+
 def _chat_body(t: _Turn) -> Json:
     s, toks = t.script, t.tokens()
     calls = [
@@ -317,12 +373,18 @@ def _frame(obj: Json) -> bytes:
 
 
 def _frames(t: _Turn, obj: str, head: list[bytes], choices: list[Json], finish: Json, **base: Any) -> Frames:
-    """Frame the delta choices; vLLM puts `length` on the last delta, but a stop (EOS) in a chunk of its own."""
-    if t.script.finish_reason != "length" or not choices:
-        choices.append(finish)
-    choices[-1].update(finish_reason=t.script.finish_reason, stop_reason=None, **(t.script.choice_extra or {}))
-    body = [_frame(t.envelope(obj, choices=[c], **base)) for c in choices[:-1]]
-    body.append(_frame(t.envelope(obj, choices=choices[-1:], **base, **(t.script.top_extra or {}))))
+    """Frame the delta choices; vLLM puts `length` on the last delta, but a stop (EOS) in a chunk of its own.
+
+    A request aborted before its first token gets no finish chunk at all: vLLM skips its empty output
+    (the "chunked prefill" case), so the stream ends with the usage chunk and `[DONE]`.
+    """
+    body: list[bytes] = []
+    if choices or t.script.finish_reason != "abort":
+        if t.script.finish_reason != "length" or not choices:
+            choices.append(finish)
+        choices[-1].update(finish_reason=t.script.finish_reason, stop_reason=None, **(t.script.choice_extra or {}))
+        body = [_frame(t.envelope(obj, choices=[c], **base)) for c in choices[:-1]]
+        body.append(_frame(t.envelope(obj, choices=choices[-1:], **base, **(t.script.top_extra or {}))))
     usage = [_frame(t.envelope(obj, choices=[], usage=t.usage(stream=True)))] if t.include_usage else []
     return head, body, [*usage, DONE]
 
@@ -551,6 +613,11 @@ def _message_frames(t: _Turn) -> Frames:
     return head, body, tail
 
 
+async def _not_found(request: web.Request) -> web.Response:
+    """A dev route without dev mode: FastAPI's 404."""
+    return _json_response(b'{"detail":"Not Found"}', status=404)
+
+
 def _gone(request: web.Request) -> bool:
     return request.transport is None or request.transport.is_closing()
 
@@ -584,16 +651,277 @@ def _call_directive(script: Script, match: re.Match[str], messages: list[Any]) -
     return script
 
 
+# --- How vLLM's FastAPI routes refuse a bad query or body ----------------------------------------------
+
+
+def _invalid(errors: list[Json]) -> Rejection:
+    """vLLM's 400 for a request that fails FastAPI's validation (`validation_exception_handler`)."""
+    label = "error" if len(errors) == 1 else "errors"
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {error}\n" for error in errors)
+    return Rejection(400, message.rstrip(), kind="Bad Request", param=errors[0]["loc"])
+
+
+def _failed(kind: str, loc: str, msg: str, value: Any, **ctx: Any) -> Json:
+    """One pydantic error as vLLM prints it: the input stood in for by a bounded string."""
+    if isinstance(value, str):
+        shown = value if len(value) <= 200 else value[:200] + "...[truncated]"
+    elif isinstance(value, list | dict):
+        shown = f"<{type(value).__name__} of {len(value)} items>"
+    else:
+        shown = str(value)
+    return {"type": kind, "loc": loc, "msg": msg, "input": shown, **({"ctx": ctx} if ctx else {})}
+
+
+def _one_of(errors: list[Json], loc: str, value: Any, options: tuple[str, ...], default: str | None) -> str | None:
+    """A `Literal[...]` parameter."""
+    if value is None or value in options:
+        return default if value is None else str(value)
+    expected = ", ".join(map(repr, options[:-1])) + f" or {options[-1]!r}"
+    errors.append(_failed("literal_error", loc, f"Input should be {expected}", value, expected=expected))
+    return default
+
+
+def _flag(errors: list[Json], loc: str, value: str | None, default: bool) -> bool:
+    """A `bool` query parameter, as pydantic reads one from a string."""
+    if value is None:
+        return default
+    if value.lower() in ("1", "on", "t", "true", "y", "yes"):
+        return True
+    if value.lower() not in ("0", "off", "f", "false", "n", "no"):
+        errors.append(_failed("bool_parsing", loc, "Input should be a valid boolean, unable to interpret input", value))
+    return False
+
+
+def _level(errors: list[Json], value: str | None) -> int:
+    """`/sleep`'s `level: Annotated[int, Query(ge=0, le=2)] = 1`."""
+    if value is None:
+        return 1
+    try:
+        level = int(value.strip())
+    except ValueError:
+        errors.append(
+            _failed("int_parsing", "query.level", "Input should be a valid integer, unable to parse string as an integer", value)
+        )  # fmt: skip
+        return 1
+    if level < 0:
+        errors.append(
+            _failed("greater_than_equal", "query.level", "Input should be greater than or equal to 0", value, ge=0)
+        )
+    elif level > 2:
+        errors.append(_failed("less_than_equal", "query.level", "Input should be less than or equal to 2", value, le=2))
+    return level
+
+
+def _embedded(raw: bytes) -> Json:
+    """The body FastAPI reads `Body(embed=True)` fields from: {} for none, or for JSON that is no object."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        ctx = {"error": exc.msg}
+        raise _invalid([_failed("json_invalid", f"body.{exc.pos}", "JSON decode error", {}, **ctx)]) from exc
+    except ValueError as exc:  # not UTF-8
+        raise Rejection(400, "There was an error parsing the body", kind="Bad Request") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _text_field(errors: list[Json], body: Json, name: str, *, required: bool) -> str | None:
+    value = body.get(name)
+    if value is None:  # FastAPI takes a null for a missing field
+        if required:
+            errors.append(_failed("missing", f"body.{name}", "Field required", None))
+        return None
+    if not isinstance(value, str):
+        errors.append(_failed("string_type", f"body.{name}", "Input should be a valid string", value))
+        return None
+    return value
+
+
+def _object_field(errors: list[Json], body: Json, name: str, *, lists: bool = False) -> None:
+    """A required `dict[str, Any]` field (`lists`: or a list of them, as `update_info` may be)."""
+    value = body.get(name)
+    if value is None:
+        errors.append(_failed("missing", f"body.{name}", "Field required", None))
+    elif not isinstance(value, dict) and not (lists and isinstance(value, list)):
+        errors.append(_failed("dict_type", f"body.{name}", "Input should be a valid dictionary", value))
+
+
+def _object_body(raw: bytes) -> Json:
+    """The body of the routes that read `await raw_request.json()` themselves."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise Rejection(400, f"JSON decode error: {exc}", kind="Bad Request") from exc
+    if not isinstance(body, dict):
+        raise Rejection(400, "Request body must be a JSON object", kind="Bad Request")
+    return body
+
+
+def _last(request: web.Request, name: str) -> str | None:
+    """A query parameter as Starlette reads it: the last of its values."""
+    values = request.query.getall(name, [])
+    return values[-1] if values else None
+
+
+def dev_mode_from(environ: Mapping[str, str]) -> bool:
+    """vLLM's reading of VLLM_SERVER_DEV_MODE: an integer, on unless 0 (anything else: off)."""
+    try:
+        return bool(int(environ.get(DEV_MODE_ENV, "0")))
+    except ValueError:
+        return False
+
+
+def paused_503_from(environ: Mapping[str, str]) -> bool:
+    return environ.get(PAUSED_503_ENV, "0").strip() not in ("", "0")
+
+
+# --- The engine's scheduler: pause modes, in-flight generations, weight versions ----------------------
+
+
+class _Generation:
+    """One generation request as the engine sees it."""
+
+    __slots__ = ("rid", "reply_id", "queued", "cut", "writing", "made", "versions", "wake")
+
+    def __init__(self, rid: str, reply_id: str, *, queued: bool) -> None:
+        self.rid = rid  # X-Request-Id, else the reply's id
+        self.reply_id = reply_id
+        self.queued = queued  # arrived while paused: waits for /resume before its first token
+        self.cut = False  # aborted: ends at once with finish_reason "abort"
+        self.writing = False  # blocked writing a chunk (an abort does not wait for the reader)
+        self.made = 0  # tokens (steps of the turn) made so far
+        self.versions: list[str | None] = []  # the weight versions its tokens were sampled with
+        self.wake: asyncio.Future[None] | None = None  # settled to end its nap early
+
+
+def _settle(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+class Scheduler:
+    """vLLM's pause states (`EngineCore.pause_scheduler`), over the generations in flight.
+
+    `mode` is None while running. `abort` ends every generation (running or queued) at once; `abort`
+    and `wait` let the running ones step and queue new ones (`wait` drains them first); `keep` steps
+    nothing. `resume` releases the queued ones. Each generation records the weight versions the
+    engine had while it produced its tokens.
+    """
+
+    def __init__(self) -> None:
+        self.mode: str | None = None
+        self.weight_version: str | None = None
+        self.sampled_versions: dict[str, list[str | None]] = {}
+        self.inflight: set[_Generation] = set()
+        self._changed: asyncio.Future[None] | None = None  # settled when a generation starts, steps or ends
+
+    def enter(self, rid: str, reply_id: str) -> _Generation:
+        gen = _Generation(rid, reply_id, queued=self.mode is not None)
+        self.inflight.add(gen)
+        self.sampled_versions[rid] = gen.versions
+        self._notify()
+        return gen
+
+    def finish(self, gen: _Generation) -> None:
+        """The generation made its last token (or was cut, or its client left)."""
+        if gen in self.inflight:
+            self.inflight.discard(gen)
+            self._notify()
+
+    def sampled(self, gen: _Generation, made: int) -> None:
+        """`gen` has made `made` tokens: record the version the engine has as it makes them."""
+        gen.made = made
+        if not gen.versions or gen.versions[-1] != self.weight_version:
+            gen.versions.append(self.weight_version)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            _settle(self._changed)
+            self._changed = None
+
+    def steps(self, gen: _Generation) -> bool:
+        return self.mode is None or (self.mode != "keep" and not gen.queued)
+
+    async def tick(self, request: web.Request, gen: _Generation, seconds: float) -> bool:
+        """Wait out one token's `seconds`, and any freeze; False once `gen` is cut or its client left."""
+        end = time.monotonic() + seconds
+        while not gen.cut and not _gone(request):
+            runs = self.steps(gen)
+            left = end - time.monotonic()
+            if runs and left <= 0:
+                return True
+            await self._nap(gen, min(POLL_SECONDS, left) if runs else FROZEN_POLL_S)
+        return False
+
+    async def _nap(self, gen: _Generation, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        gen.wake = wake = loop.create_future()
+        timer = loop.call_later(seconds, _settle, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            gen.wake = None
+
+    def cut(self, gens: Iterable[_Generation]) -> list[_Generation]:
+        """Abort these generations: each ends at once, with the tokens it made."""
+        cut = list(gens)
+        for gen in cut:
+            gen.cut = True
+            _settle(gen.wake)
+        return cut
+
+    async def pause(self, mode: str) -> None:
+        """Pause as `mode` says; returns once aborted generations ended (`abort`) or running ones finished (`wait`)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"Invalid pause mode: {mode}")  # as vLLM's engine says it
+        self.mode = mode
+        for gen in self.inflight:
+            _settle(gen.wake)  # a frozen one steps again under abort or wait
+        if mode == "abort":
+            cut = self.cut(self.inflight)
+            await self.until(lambda: not any(g in self.inflight and not g.writing for g in cut))
+        elif mode == "wait":
+            running = [g for g in self.inflight if not g.queued]
+            await self.until(lambda: not any(g in self.inflight for g in running))
+
+    def resume(self) -> None:
+        self.mode = None
+        for gen in self.inflight:
+            gen.queued = False
+            _settle(gen.wake)
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        """Return once `done()` holds, looked at whenever a generation starts, makes a token or ends."""
+        while not done():
+            if self._changed is None:
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._changed)  # shared: a waiter that leaves must not cancel it
+
+    async def generating(self, count: int = 1) -> None:
+        """Return once `count` generations in flight have each made a token (for a test to cut them)."""
+        await self.until(lambda: sum(gen.made > 0 for gen in self.inflight) >= count)
+
+
 class FakeVLLM:
     """An in-process vLLM stand-in that records what it is sent and replies as scripted."""
 
     url: str = ""
 
-    def __init__(self, *, model: str = "fake-model", max_model_len: int = 4096) -> None:
+    def __init__(
+        self, *, model: str = "fake-model", max_model_len: int = 4096, dev_mode: bool = False, paused_503: bool = False
+    ) -> None:
         self.model = model
         self.max_model_len = max_model_len
+        self.dev_mode = dev_mode  # vLLM's RL and dev routes (/pause, /update_weight_version, ...); else 404
+        self.paused_503 = paused_503  # vLLM 0.33+: new requests in an abort or wait pause get 503, not queued
         self.requests: list[SeenRequest] = []
         self.disconnects: list[float] = []
+        self.scheduler = Scheduler()
+        self.sampled_versions = self.scheduler.sampled_versions  # request id -> the versions that sampled it
+        self._asleep: set[str] = set()  # what /sleep put to sleep (level 1 and 2: the weights and KV cache)
         self._scripts: collections.deque[Script] = collections.deque()
         self.app = web.Application(client_max_size=64 * 1024**2)
         self.app.router.add_post("/v1/chat/completions", functools.partial(self._generate, chat=True))
@@ -603,6 +931,29 @@ class FakeVLLM:
         self.app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
+        self._mount_dev_routes()
+
+    @property
+    def weight_version(self) -> str | None:
+        """The engine's weight version (`/weight_info`); set by `/update_weight_version` and `/finish_weight_update`."""
+        return self.scheduler.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:
+        self.scheduler.weight_version = version
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the pause in force (`abort`, `wait`, `keep`), None while generating."""
+        return self.scheduler.mode
+
+    async def pause(self, mode: str = "abort") -> None:
+        """`POST /pause?mode=...`, in process: returns once the pause holds."""
+        await self.scheduler.pause(mode)
+
+    def resume(self) -> None:
+        """`POST /resume`, in process."""
+        self.scheduler.resume()
 
     def push(self, *scripts: Script) -> None:
         """Queue replies; each generation request pops one."""
@@ -740,11 +1091,36 @@ class FakeVLLM:
             return scripted
         budget = self._budget(body, len(prompt_ids), None if chat else COMPLETIONS_MAX_TOKENS)
         turn = self._turn(body, script, prompt_ids, text, budget, chat=chat)
-        if body.get("stream"):
-            return await self._stream(request, _chat_frames(turn) if chat else _text_frames(turn), turn.script)
-        if script.chunk_delay and not await self._idle(request, script.chunk_delay * len(turn.steps)):
-            return web.Response()
-        return _json_response(orjson.dumps(_chat_body(turn) if chat else _text_body(turn)))
+        gen = self._enter(request, turn)
+        try:
+            if body.get("stream"):
+                return await self._stream(request, gen, turn, _chat_frames if chat else _text_frames)
+            made = await self._produce(request, gen, turn)
+            if made is None:
+                return web.Response()
+            return _json_response(orjson.dumps(_chat_body(made) if chat else _text_body(made)))
+        finally:
+            self.scheduler.finish(gen)
+
+    def _enter(self, request: web.Request, turn: _Turn) -> _Generation:
+        """Hand the turn to the scheduler, or refuse it as vLLM 0.33 does while an abort or wait pause holds."""
+        if self.paused_503 and self.scheduler.mode in ("abort", "wait"):
+            raise Rejection(503, PAUSED_MESSAGE, kind="Service Unavailable")
+        return self.scheduler.enter(request.headers.get("X-Request-Id") or turn.id, turn.id)
+
+    async def _produce(self, request: web.Request, gen: _Generation, turn: _Turn) -> _Turn | None:
+        """Make a non-streamed reply's tokens, `chunk_delay` apart: the turn, or as an abort cut it, or
+        None once the client left."""
+        scheduler, delay = self.scheduler, turn.script.chunk_delay
+        for done in range(-1, len(turn.steps) if delay else 0):  # -1: the wait for admission (while queued)
+            if not await scheduler.tick(request, gen, delay if done >= 0 else 0.0):
+                if gen.cut:
+                    return _cut(turn, max(done, 0))
+                self._lost()
+                return None
+            scheduler.sampled(gen, done + 1)
+        scheduler.sampled(gen, len(turn.steps))  # without a delay, the rest takes no time
+        return turn
 
     def _turn(self, body: Json, script: Script, prompt_ids: list[int], text: str, budget: int, *, chat: bool) -> _Turn:
         calls = script.tool_calls if chat else None
@@ -772,11 +1148,19 @@ class FakeVLLM:
         )
 
     async def _stream(
-        self, request: web.Request, frames: Frames, script: Script, failures: dict[str, list[bytes]] | None = None
+        self,
+        request: web.Request,
+        gen: _Generation,
+        turn: _Turn,
+        framer: Callable[[_Turn], Frames],
+        failures: dict[str, list[bytes]] | None = None,
     ) -> web.StreamResponse:
-        """Write the frames, failing midway as `script.fail_mid_stream` says (`failures`: the tails that
-        end a stream broken by `bad_json` and by `error`, when not chat's and text completion's)."""
-        head, body, tail = frames
+        """Write the turn's frames, `chunk_delay` apart, failing midway as `script.fail_mid_stream` says
+        (`failures`: the tails that end a stream broken by `bad_json` and by `error`, when not chat's and
+        text completion's). While the head and body go out the turn is generating: the scheduler may
+        freeze it or cut it, and a cut one ends at once with the frames of the turn as cut."""
+        head, body, tail = framer(turn)
+        script = turn.script
         mode = script.fail_mid_stream
         if mode is not None:
             if mode not in FAILURE_MODES:
@@ -789,20 +1173,44 @@ class FakeVLLM:
         resp = web.StreamResponse(headers=VLLM_STREAM_HEADERS)
         if mode == "truncate":
             resp.force_close()
-        await resp.prepare(request)
+        await resp.prepare(request)  # vLLM sends the headers at once, the first chunk with the first token
+        scheduler, live = self.scheduler, len(head) + len(body)
         for i, frame in enumerate([*head, *body, *tail]):
-            if i and script.chunk_delay and not await self._idle(request, script.chunk_delay):
-                return resp
+            if i < live:
+                if not await scheduler.tick(request, gen, script.chunk_delay if i else 0.0):
+                    if not gen.cut:
+                        self._lost()
+                        return resp
+                    scheduler.finish(gen)
+                    cut_head, cut_body, cut_tail = framer(_cut(turn, max(0, i - len(head))))
+                    await self._write(resp, [*cut_head, *cut_body, *cut_tail][i:])
+                    return resp
+                scheduler.sampled(gen, min(len(turn.steps), max(0, i + 1 - len(head))))
+            else:
+                scheduler.finish(gen)
+                if i and script.chunk_delay and not await self._idle(request, script.chunk_delay):
+                    return resp
+            gen.writing = True
             try:
                 await resp.write(frame)
             except ConnectionError:  # aiohttp raises ConnectionResetError, or ConnectionError from drain()
                 self._lost()
                 return resp
+            finally:
+                gen.writing = False
         if mode == "reset":
             _reset(request)
             return resp
         await resp.write_eof()
         return resp
+
+    async def _write(self, resp: web.StreamResponse, frames: list[bytes]) -> None:
+        try:
+            for frame in frames:
+                await resp.write(frame)
+            await resp.write_eof()
+        except ConnectionError:
+            self._lost()
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:
@@ -848,16 +1256,21 @@ class FakeVLLM:
         if scripted is not None:
             return scripted
         turn = self._turn(chat, script, prompt_ids, text, self._budget(chat, len(prompt_ids), None), chat=True)
-        if chat.get("stream"):
-            error = _event(
-                "error", error={"type": "internal_error", "message": script.error_message or MID_STREAM_ERROR}
-            )
-            failures = {"bad_json": [b"event: content_block_delta\ndata: {not json\n\n"], "error": [error]}
-            return await self._stream(request, _message_frames(turn), turn.script, failures)
-        if script.chunk_delay and not await self._idle(request, script.chunk_delay * len(turn.steps)):
+        gen = self._enter(request, turn)
+        try:
+            if chat.get("stream"):
+                error = _event(
+                    "error", error={"type": "internal_error", "message": script.error_message or MID_STREAM_ERROR}
+                )
+                failures = {"bad_json": [b"event: content_block_delta\ndata: {not json\n\n"], "error": [error]}
+                return await self._stream(request, gen, turn, _message_frames, failures)
+            made = await self._produce(request, gen, turn)
+        finally:
+            self.scheduler.finish(gen)
+        if made is None:
             return web.Response()
         try:
-            reply = _message_body(turn)
+            reply = _message_body(made)
         except orjson.JSONDecodeError as exc:  # vLLM json.loads the tool call arguments, and fails so
             return _json_response(anthropic_error(500, str(exc), "internal_error"), status=500)
         return _json_response(orjson.dumps(reply))
@@ -887,12 +1300,207 @@ class FakeVLLM:
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response()
 
+    # --- vLLM's RL and dev routes (VLLM_SERVER_DEV_MODE=1): entrypoints/rl/online, serve/dev -------
+
+    def _mount_dev_routes(self) -> None:
+        said = {
+            "/shutdown_weight_transfer_engine": "Weight transfer shut down",
+            "/start_weight_update": "Weight update started",
+            "/start_draft_weight_update": "Draft weight update started",
+        }
+        routes: dict[str, tuple[str, ControlHandler]] = {
+            "/pause": ("POST", self._pause),
+            "/resume": ("POST", self._resume),
+            "/is_paused": ("GET", self._is_paused),
+            "/abort_requests": ("POST", self._abort_requests),
+            "/init_weight_transfer_engine": ("POST", functools.partial(self._transfer, "init_info", "Weight transfer initialized")),
+            **{path: ("POST", functools.partial(self._said, text)) for path, text in said.items()},
+            "/update_weights": ("POST", functools.partial(self._transfer, "update_info", "Weights updated")),
+            "/finish_weight_update": ("POST", self._finish_weight_update),
+            "/update_weight_version": ("POST", self._update_weight_version),
+            "/weight_info": ("GET", self._weight_info),
+            "/weight_checker": ("POST", self._weight_checker),
+            "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
+            "/reset_mm_cache": ("POST", self._reset_mm_cache),
+            "/sleep": ("POST", self._sleep),
+            "/wake_up": ("POST", self._wake_up),
+            "/is_sleeping": ("GET", self._is_sleeping),
+            "/collective_rpc": ("POST", self._collective_rpc),
+        }  # fmt: skip
+        for path, (method, handle) in routes.items():
+            if self.dev_mode:
+                self.app.router.add_route(method, path, self._control(handle))
+            else:
+                self.app.router.add_route("*", path, _not_found)
+
+    def _control(self, handle: ControlHandler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        """A dev route: the request recorded, its answer as JSON, a refusal in vLLM's envelope."""
+
+        async def serve(request: web.Request) -> web.StreamResponse:
+            raw = await request.read()
+            try:
+                parsed = orjson.loads(raw) if raw else None
+            except orjson.JSONDecodeError:
+                parsed = None
+            self.requests.append(
+                SeenRequest(request.path, dict(request.headers), raw, parsed, request.rel_url.raw_query_string)
+            )
+            try:
+                answer = await handle(request, raw)
+            except Rejection as exc:
+                return exc.response()
+            return answer if isinstance(answer, web.StreamResponse) else _json_response(orjson.dumps(answer))
+
+        return serve
+
+    async def _pause(self, request: web.Request, raw: bytes) -> Json:
+        errors: list[Json] = []
+        mode = _one_of(errors, "query.mode", _last(request, "mode"), PAUSE_MODES, "abort")
+        _flag(errors, "query.clear_cache", _last(request, "clear_cache"), True)
+        if errors or mode is None:
+            raise _invalid(errors)
+        await self.pause(mode)
+        return {"status": "paused"}
+
+    async def _resume(self, request: web.Request, raw: bytes) -> Json:
+        self.resume()
+        return {"status": "resumed"}
+
+    async def _is_paused(self, request: web.Request, raw: bytes) -> Json:
+        return {"is_paused": self.scheduler.mode is not None}
+
+    async def _abort_requests(self, request: web.Request, raw: bytes) -> Json:
+        """Cut the generations named (by X-Request-Id or reply id), or every one; no pause."""
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise Rejection(400, "Invalid JSON format", kind="Bad Request") from exc
+        if not isinstance(body, dict):
+            raise Rejection(400, "Request body must be a JSON object", kind="Bad Request")
+        named = body.get("request_ids")
+        if named:
+            ids = set(named) if isinstance(named, list) else {named}
+            self.scheduler.cut(g for g in self.scheduler.inflight if g.rid in ids or g.reply_id in ids)
+            return {"status": "aborted", "aborted": len(named) if isinstance(named, list) else 1}
+        return {"status": "aborted", "aborted": len(self.scheduler.cut(self.scheduler.inflight))}
+
+    async def _said(self, text: str, request: web.Request, raw: bytes) -> Json:
+        return {"message": text}
+
+    async def _transfer(self, field: str, text: str, request: web.Request, raw: bytes) -> Json:
+        errors: list[Json] = []
+        _object_field(errors, _embedded(raw), field, lists=field == "update_info")
+        if errors:
+            raise _invalid(errors)
+        return {"message": text}
+
+    async def _finish_weight_update(self, request: web.Request, raw: bytes) -> Json:
+        errors: list[Json] = []
+        version = _text_field(errors, _embedded(raw), "weight_version", required=False)
+        if errors:
+            raise _invalid(errors)
+        if version is not None:
+            self.weight_version = version
+        return {"message": "Weight update finished"}
+
+    async def _update_weight_version(self, request: web.Request, raw: bytes) -> Json:
+        errors: list[Json] = []
+        version = _text_field(errors, _embedded(raw), "new_version", required=True)
+        if errors or version is None:
+            raise _invalid(errors)
+        self.weight_version = version
+        return {"success": True, "new_version": version}
+
+    async def _weight_info(self, request: web.Request, raw: bytes) -> Json:
+        return {"weight_version": self.weight_version}
+
+    async def _weight_checker(self, request: web.Request, raw: bytes) -> Json:
+        """One checksum, of the weight version: a changed version is changed weights."""
+        errors: list[Json] = []
+        body = _embedded(raw)
+        action = _one_of(errors, "body.action", body.get("action"), CHECKERS, None)
+        if "action" not in body or body["action"] is None:
+            errors.append(_failed("missing", "body.action", "Field required", None))
+        baseline = body.get("baseline")
+        if baseline is not None and not isinstance(baseline, dict):
+            errors.append(_failed("dict_type", "body.baseline", "Input should be a valid dictionary", baseline))
+        if errors:
+            raise _invalid(errors)
+        if action == "reset":
+            return {"status": "reset"}
+        checksums = {"model.weights": f"{zlib.crc32(str(self.weight_version).encode()):08x}"}
+        if action == "checksum":
+            return {"checksums": checksums}
+        if baseline is None:
+            raise Rejection(400, "action='compare' requires a 'baseline' object", kind="Bad Request")
+        mismatches = sorted(k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k))
+        return {"match": not mismatches, "mismatches": mismatches}
+
+    async def _reset_prefix_cache(self, request: web.Request, raw: bytes) -> Json:
+        errors: list[Json] = []
+        for name in ("reset_running_requests", "reset_external"):
+            _flag(errors, f"query.{name}", _last(request, name), False)
+        if errors:
+            raise _invalid(errors)
+        return {"success": True}
+
+    async def _reset_mm_cache(self, request: web.Request, raw: bytes) -> web.Response:
+        return web.Response()
+
+    async def _sleep(self, request: web.Request, raw: bytes) -> Json:
+        """`/sleep?level=&mode=`: a pause in `mode`, then (level 1 and 2) the weights and KV cache asleep."""
+        errors: list[Json] = []
+        level = _level(errors, _last(request, "level"))
+        mode = _one_of(errors, "query.mode", _last(request, "mode"), PAUSE_MODES, "abort")
+        if errors or mode is None:
+            raise _invalid(errors)
+        await self.pause(mode)
+        if level >= 1:
+            self._asleep = {"weights", "kv_cache"}
+        return {"status": "sleeping", "level": level}
+
+    async def _wake_up(self, request: web.Request, raw: bytes) -> Json:
+        """Wake what `tags` names (all by default); once nothing sleeps, generation resumes."""
+        tags = request.query.getall("tags", []) or None
+        if tags is None:
+            self._asleep.clear()
+        else:
+            self._asleep.difference_update(tags)
+        if not self._asleep:
+            self.resume()
+        return {"status": "sleeping" if self._asleep else "awake", "tags": tags}
+
+    async def _is_sleeping(self, request: web.Request, raw: bytes) -> Json:
+        return {"is_sleeping": bool(self._asleep)}
+
+    async def _collective_rpc(self, request: web.Request, raw: bytes) -> Json:
+        """One worker, whose every method returns None."""
+        if _object_body(raw).get("method") is None:
+            raise Rejection(400, "Missing 'method' in request body", kind="Bad Request")
+        return {"results": [None]}
+
+
+def from_environment(**options: Any) -> FakeVLLM:
+    """A FakeVLLM whose dev mode and paused 503s, unless given (not None), come from the environment as
+    vLLM's do: VLLM_SERVER_DEV_MODE=1 mounts the RL and dev routes, FAKE_VLLM_PAUSED_503=1 answers as 0.33."""
+    if options.get("dev_mode") is None:
+        options["dev_mode"] = dev_mode_from(os.environ)
+    if options.get("paused_503") is None:
+        options["paused_503"] = paused_503_from(os.environ)
+    return FakeVLLM(**options)
+
 
 async def start(
-    host: str = "127.0.0.1", port: int = 0, model: str = "fake-model", max_model_len: int = 4096
+    host: str = "127.0.0.1",
+    port: int = 0,
+    model: str = "fake-model",
+    max_model_len: int = 4096,
+    *,
+    dev_mode: bool | None = None,
+    paused_503: bool | None = None,
 ) -> tuple[FakeVLLM, web.AppRunner, str]:
     """Serve a FakeVLLM in the running loop; returns it, its runner (to clean up) and its base URL (…/v1)."""
-    fake = FakeVLLM(model=model, max_model_len=max_model_len)
+    fake = from_environment(model=model, max_model_len=max_model_len, dev_mode=dev_mode, paused_503=paused_503)
     runner = web.AppRunner(fake.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -900,22 +1508,37 @@ async def start(
     return fake, runner, fake.url
 
 
-def run(host: str, port: int, model: str = "fake-model", max_model_len: int | None = None) -> None:
+def run(
+    host: str,
+    port: int,
+    model: str = "fake-model",
+    max_model_len: int | None = None,
+    *,
+    dev_mode: bool | None = None,
+    paused_503: bool | None = None,
+) -> None:
     """Serve a FakeVLLM until interrupted (claiming `DEMO_MAX_MODEL_LEN` unless told otherwise)."""
-    fake = FakeVLLM(model=model, max_model_len=max_model_len or DEMO_MAX_MODEL_LEN)
+    options = dict(dev_mode=dev_mode, paused_503=paused_503)
+    fake = from_environment(model=model, max_model_len=max_model_len or DEMO_MAX_MODEL_LEN, **options)
     web.run_app(fake.app, host=host, port=port, handler_cancellation=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m gymproxy.testing.fake_vllm --host H --port P --model NAME [--max-model-len L]`."""
+    """`python -m gymproxy.testing.fake_vllm --host H --port P --model NAME [--max-model-len L] [--dev-mode]
+    [--paused-503]`."""
     parser = argparse.ArgumentParser(prog="python -m gymproxy.testing.fake_vllm", description="A fake vLLM server.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--max-model-len", type=int, default=DEMO_MAX_MODEL_LEN)
+    parser.add_argument(
+        "--dev-mode", action="store_true", default=None, help=f"the RL and dev routes (or {DEV_MODE_ENV}=1)"
+    )
+    parser.add_argument(
+        "--paused-503", action="store_true", default=None, help=f"vLLM 0.33's paused 503s (or {PAUSED_503_ENV}=1)"
+    )
     args = parser.parse_args(argv)
-    fake = FakeVLLM(model=args.model, max_model_len=args.max_model_len)
-    web.run_app(fake.app, host=args.host, port=args.port, handler_cancellation=True)
+    run(args.host, args.port, args.model, args.max_model_len, dev_mode=args.dev_mode, paused_503=args.paused_503)
 
 
 if __name__ == "__main__":
