@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -122,19 +123,25 @@ def test_fleet_simulates_a_kill_against_a_baseline_and_gymproxy() -> None:
     assert any("completed twice" in c["what"] for c in report["checks"])
 
 
-def _sim_engines() -> Any:
-    """bench/sim_engines.py as a module (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("sim_engines", BENCH / "sim_engines.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _bench_module(name: str) -> Any:
+    """bench/NAME.py as a module (bench/ is not a package), loaded once."""
+    if f"bench_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        path = list(sys.path)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path[:] = path  # fleet.py puts bench/ first, for its own imports only
+    return sys.modules[f"bench_{name}"]
 
 
 @pytest.fixture
 async def sim_engine(unused_tcp_port: int) -> Any:
     """One simulated engine on a real port, 2 ms decode steps, weight version "1"; `.url` is its root."""
-    engine = _sim_engines().Engine(
+    engine = _bench_module("sim_engines").Engine(
         0, {"port": unused_tcp_port, "step_base": 0.002, "step_per_seq": 0.0, "weight_version": "1"}
     )
     await engine.start()
@@ -260,7 +267,9 @@ async def test_sim_engine_wait_pause_answers_once_requests_finished(sim_engine: 
 
 
 async def test_sim_engine_can_queue_requests_while_paused_as_vllm_032(unused_tcp_port: int) -> None:
-    engine = _sim_engines().Engine(0, {"port": unused_tcp_port, "step_base": 0.002, "paused_requests": "queue"})
+    engine = _bench_module("sim_engines").Engine(
+        0, {"port": unused_tcp_port, "step_base": 0.002, "paused_requests": "queue"}
+    )
     await engine.start()
     url = f"http://127.0.0.1:{unused_tcp_port}"
     try:
@@ -276,3 +285,81 @@ async def test_sim_engine_can_queue_requests_while_paused_as_vllm_032(unused_tcp
         assert [(f, v) for _, f, _, v in engine.replies] == [("stop", [("default", 0)])]  # vLLM's first version
     finally:
         engine.kill()
+
+
+def test_fleet_weight_sync_measures_stale_mixed_aborted_and_unstamped_replies() -> None:
+    fleet = _bench_module("fleet")
+    driver = fleet.Driver(fleet.Workload(sessions=1), ["http://127.0.0.1:1"], "t")
+    update = fleet.Update("1", pause_at=10.0, paused_at=10.1, resumed_at=10.6)
+    turn = fleet.Turn
+    driver.turns = [
+        turn("s0", "user", "old", start=9.0, end=11.0, ok=True, status=200, finish="stop", stamp="0,1"),
+        turn("s1", "user", "late", start=10.7, end=11.5, ok=True, status=200, finish="stop", stamp="1"),
+        turn("s2", "user", "new", start=10.8, end=11.6, ok=True, status=200, finish="stop"),
+        turn("s3", "user", "cut", start=9.5, end=10.0, status=200, finish="abort", stamp="0"),
+        turn("s3", "user", "refused", start=10.2, end=10.3, status=503),
+    ]
+    stats = [
+        {
+            "name": "e0",
+            "replies": [
+                ["old", "stop", 40, [["0", 0], ["1", 12]]],  # frozen across the update (keep): mixed, not stale
+                ["late", "abort", 3, [["0", 0]]],  # an earlier attempt under the same id, cut
+                ["late", "stop", 40, [["0", 0]]],  # started after the resume, sampled by "0": stale
+                ["new", "stop", 40, [["1", 0]]],
+                ["cut", "abort", 7, [["0", 0]]],
+            ],
+        }
+    ]
+    row = fleet.measure_sync("gymproxy", driver, stats, (9.8, 12.0), [update])
+    assert (row["stale"], row["mixed"], row["aborted"], row["unmatched"]) == (1, 1, 1, 0)
+    assert (row["unstamped"], row["replied"]) == (1, 4)  # "new" has no X-Weight-Version
+    assert row["misstamped"] == 1  # "late" says "1", the engine sampled it with "0"
+    assert row["updates"] == 1 and row["pause_s"] == pytest.approx(0.6)
+    assert fleet.measure_sync("no-proxy", driver, stats, (9.8, 12.0), [update])["unstamped"] is None
+
+
+def test_fleet_weight_sync_pauses_the_engines_under_the_baseline_and_gymproxy() -> None:
+    result = run(
+        "fleet.py", "--scenarios", "weight-sync", "--targets", "no-proxy,gymproxy", "--sync-through", "engines",
+        "--engines", "2", "--sessions", "4", "--duration", "2", "--warmup", "0.5", "--sync-every", "0.8",
+        "--sync-transfer", "0.2", "--json",
+        timeout=180,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    rows = report["summary"]["weight-sync"]
+    assert set(rows) == {"no-proxy", "gymproxy"}
+    for target, row in rows.items():
+        assert row["updates"] >= 2 and row["update_errors"] == 0, (target, row["first_update_error"])
+        assert row["turns"] > 0 and row["unmatched"] == 0 and row["stale"] == 0, target
+        assert row["pause_s"] >= 0.2, target  # the transfer alone takes that
+    # Paused in abort mode, the engines cut and refused the clients' turns, which the clients retried.
+    assert rows["no-proxy"]["failed"] > 0 and rows["no-proxy"]["unstamped"] is None
+    assert rows["gymproxy"]["unstamped"] is not None and rows["gymproxy"]["cpu_ms"] > 0
+    assert {c["target"] for c in report["checks"]} == {"gymproxy"}
+    assert any("X-Weight-Version" in c["what"] for c in report["checks"])
+
+
+async def test_fleet_trainer_takes_gymproxy_through_an_update_by_its_fleet_routes(aiohttp_server: Any) -> None:
+    calls: list[tuple[str, str, Any]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        body = await request.text()
+        calls.append((request.method, request.path_qs, json.loads(body) if body else None))
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    server = await aiohttp_server(app)
+    proxy = str(server.make_url("")).rstrip("/")
+    unreachable = "http://127.0.0.1:9"  # the engines: through gymproxy, the trainer never calls them
+    trainer = _bench_module("fleet").Trainer("keep", 1.0, 0.0, [unreachable], proxy)
+    async with aiohttp.ClientSession() as http:
+        await trainer.update(http, "3")
+    assert calls == [
+        ("POST", "/fleet/pause?mode=keep", None),
+        ("POST", "/fleet/broadcast/update_weight_version", {"new_version": "3"}),
+        ("POST", "/fleet/resume", None),
+    ]
+    (update,) = trainer.updates
+    assert update.errors == [] and update.pause_at <= update.paused_at <= update.resumed_at
