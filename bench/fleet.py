@@ -577,7 +577,13 @@ def measure_sync(
     pauses = [u.resumed_at - u.pause_at for u in window_updates if u.resumed_at]
     errors = [e for u in updates for e in u.errors]
     replied = [t for t in turns if t.status == 200]
+    failed = Counter(
+        "abort" if t.finish == "abort" else str(t.status) if t.status else "connection"
+        for t in driver.turns
+        if t.end >= start and t.error
+    )
     return {
+        "failed_by": dict(failed),  # "503", "abort" (finish_reason), "connection", other statuses
         "aborted": sum(1 for t in turns if t.finish == "abort"),
         "stale": stale,
         "mixed": mixed,  # replies sampled with two or more versions (keep: frozen across an update)

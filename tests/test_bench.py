@@ -1,7 +1,8 @@
 """Smoke tests of bench/: each script runs for about a second and reports sane numbers.
 
 Timings are never asserted (the machine may be busy): only that every target answered every
-scenario correctly, that throughput is positive and that CPU figures are present.
+scenario correctly, that throughput is positive and that CPU figures are present. The simulated
+engines' pause modes and fleet.py's weight-sync bookkeeping are tested in process.
 """
 
 from __future__ import annotations
