@@ -3,10 +3,12 @@
 Each run starts a fresh fleet of simulated vLLM engines (`sim_engines.py`, one process), one
 router in front of it (a target), and drives many concurrent multi-turn agent sessions through it
 on `/v1/chat/completions`. Scenarios change the fleet: one engine 3x slower, an engine added or
-killed mid-run, prefill that stalls the whole batch. See bench/README.md ("fleet.py").
+killed mid-run, prefill that stalls the whole batch, a trainer that pauses the fleet for a weight
+update every few seconds. See bench/README.md ("fleet.py").
 
     python bench/fleet.py --scenarios balanced,slow --targets round-robin,hash-mod-n,gymproxy
     python bench/fleet.py --variant 'new=/work/wt-x/.venv/bin/python -m gymproxy' --check
+    python bench/fleet.py --scenarios weight-sync,weight-sync-keep --targets no-proxy,vllm-router:cache_aware,gymproxy
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ROUTER_POLICIES = ("cache_aware", "consistent_hash", "power_of_two", "round_robi
 BUILTIN = {"round-robin": "round_robin", "hash-mod-n": "hash_mod_n"}
 STICKY_BASELINES = ("hash-mod-n", "vllm-router:cache_aware", "vllm-router:consistent_hash")
 CLIENT_KINDS = ("cookie", "x-session-id", "session-id", "user")
+NO_PROXY = "no-proxy"  # the clients talk to the engines themselves, each session to one of them
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Scenario:
     slow: float = 1.0  # slowdown of engine 0
     gpu_prefill: bool = False
     event: str = ""  # "kill" or "add", at `event_at` of the measured window
+    sync: str = ""  # a weight update every --sync-every s, pausing the fleet in this mode
+    retries: int = 2  # a client retries a failed turn this many times (0.5 s apart), then gives up the session
 
 
 SCENARIOS = {
@@ -58,6 +63,8 @@ SCENARIOS = {
         Scenario("add", "an engine joins mid-run", event="add"),
         Scenario("kill", "engine e1 is killed mid-run (listener closed, connections reset)", event="kill"),
         Scenario("gpu-prefill", "N equal engines; a prefill stalls the whole batch", gpu_prefill=True),
+        Scenario("weight-sync", "a weight update every --sync-every s, pausing abort", sync="abort", retries=10),
+        Scenario("weight-sync-keep", "a weight update every --sync-every s, pausing keep", sync="keep", retries=10),
     )
 }
 
@@ -79,6 +86,9 @@ class Turn:
     ok: bool = False
     stream: bool = False
     error: str = ""
+    status: int = 0  # the reply's HTTP status (0: none)
+    finish: str = ""  # the reply's finish_reason
+    stamp: str | None = None  # the reply's X-Weight-Version
 
 
 @dataclass
@@ -95,6 +105,7 @@ class Workload:
     think: tuple[float, float] = (0.05, 0.3)
     stream_share: float = 0.25
     retries: int = 2
+    retry_delay: float = 0.5
     seed: int = 1
     systems: list[str] = field(default_factory=list)
 
@@ -103,12 +114,15 @@ class Workload:
 
 
 class Driver:
-    """Keeps `sessions` agent sessions going against `url` until `stop`; records every turn."""
+    """Keeps `sessions` agent sessions going against `urls` until `stop`; records every turn.
 
-    def __init__(self, work: Workload, url: str, tag: str, *, rid_header: bool = True) -> None:
+    With several URLs (no router: the clients talk to the engines), session n talks to `urls[n % len]`.
+    """
+
+    def __init__(self, work: Workload, urls: list[str], tag: str, *, rid_header: bool = True) -> None:
         self.work = work
         self.rid_header = rid_header
-        self.url = url + "/v1/chat/completions"
+        self.urls = [url + "/v1/chat/completions" for url in urls]
         self.tag = tag
         self.turns: list[Turn] = []
         self.started = 0
@@ -135,6 +149,7 @@ class Driver:
         n = self.started
         self.started += 1
         sid = f"{self.tag}-s{n}"
+        url = self.urls[n % len(self.urls)]
         self.session_start[sid] = time.monotonic()
         kind = CLIENT_KINDS[n % len(CLIENT_KINDS)]
         family = min(int(rng.paretovariate(1.2)) - 1, work.families - 1)  # skewed: family 0 is the most common
@@ -151,11 +166,11 @@ class Driver:
                     return
                 turn = Turn(sid, kind, f"{sid}-t{t}-a{attempt}", time.monotonic(), stream=stream)
                 self.turns.append(turn)
-                answer = await self.post(http, turn, messages, cookies, rng.randint(*work.answer_tokens))
+                answer = await self.post(http, url, turn, messages, cookies, rng.randint(*work.answer_tokens))
                 turn.end = time.monotonic()
                 if answer is not None:
                     break
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(work.retry_delay)
             else:
                 return  # the rollout gives up
             messages.append({"role": "assistant", "content": answer})
@@ -165,6 +180,7 @@ class Driver:
     async def post(
         self,
         http: aiohttp.ClientSession,
+        url: str,
         turn: Turn,
         messages: list[dict[str, str]],
         cookies: dict[str, str],
@@ -188,14 +204,16 @@ class Driver:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         try:
-            async with http.post(self.url, json=body, headers=headers) as reply:
+            async with http.post(url, json=body, headers=headers) as reply:
+                turn.status, turn.stamp = reply.status, reply.headers.get("X-Weight-Version")
                 if turn.kind == "cookie":
                     cookies.update({k: m.value for k, m in reply.cookies.items()})
                 if reply.status != 200:
                     turn.error = f"{reply.status} {(await reply.text())[:120]}"
                     return None
                 if not turn.stream:
-                    content = (await reply.json())["choices"][0]["message"]["content"]
+                    choice = (await reply.json())["choices"][0]
+                    content, turn.finish = choice["message"]["content"], choice.get("finish_reason") or ""
                 else:
                     content, done = "", False
                     async for line in reply.content:
@@ -204,11 +222,15 @@ class Driver:
                         elif line.startswith(b"data: "):
                             for choice in json.loads(line[6:]).get("choices", []):
                                 content += choice.get("delta", {}).get("content") or ""
-                    if not done:
+                                turn.finish = choice.get("finish_reason") or turn.finish
+                    if turn.finish != "abort" and not done:
                         turn.error = "stream ended without [DONE]"
                         return None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:
             turn.error = repr(exc)[:120]
+            return None
+        if turn.finish == "abort":  # the engine was paused under it: half an answer, the turn is tried again
+            turn.error = "finish_reason abort"
             return None
         turn.ok = True
         return str(content)
@@ -224,7 +246,9 @@ def router_binary() -> str | None:
     return found or (str(cached) if cached.exists() else None)
 
 
-def start_target(name: str, args: argparse.Namespace, upstreams: list[str], log_dir: Path) -> Service:
+def start_target(
+    name: str, args: argparse.Namespace, upstreams: list[str], log_dir: Path, *, fleet_control: bool = False
+) -> Service:
     port = free_port()
     if name in BUILTIN:
         argv = [sys.executable, str(BENCH / "sim_balancer.py"), "--policy", BUILTIN[name], "--port", str(port)]
@@ -242,6 +266,8 @@ def start_target(name: str, args: argparse.Namespace, upstreams: list[str], log_
         argv = [*command, "serve", "--host", LOOPBACK, "--port", str(port), "--model", "sim"]
         argv += [a for u in upstreams for a in ("--upstream", u)]
         argv += [a for item in args.set for a in ("--set", item)]
+        if fleet_control:  # the trainer takes the fleet through its weight updates by gymproxy's /fleet routes
+            argv += ["--set", "access.fleet_control=true"]
         service = Service(name, argv, port, log_dir, ready_path="/health")
     service.start()
     service.wait_ready(timeout=60)
@@ -277,6 +303,72 @@ def add_upstream(target: str, base: str, url: str) -> str:
     return f"needs a restart (POST /admin/upstreams: {status})"
 
 
+# --- the trainer (weight-sync scenarios) ---------------------------------------------------------------
+
+
+@dataclass
+class Update:
+    """One weight update, as the trainer saw it (monotonic times)."""
+
+    version: str
+    pause_at: float  # the trainer asked for the pause
+    paused_at: float = 0.0  # every engine had answered it (gymproxy's barrier: its one answer)
+    resumed_at: float = 0.0  # the resume was answered: from here on, generation samples `version`
+    errors: list[str] = field(default_factory=list)  # every call that did not answer 200
+
+
+class Trainer:
+    """Every `every` seconds: pause the fleet (`mode`), transfer the weights (a sleep), set the next
+    version ("1", "2", ...: the engines start at "0") and resume.
+
+    Through gymproxy (`proxy`): `POST /fleet/pause?mode=`, `POST /fleet/broadcast/update_weight_version`,
+    `POST /fleet/resume`. Without (`proxy` None): each step on every engine at once, as RL
+    trainers do today (SkyRL, prime-rl, veRL: an asyncio.gather over the engines' URLs).
+    """
+
+    def __init__(self, mode: str, every: float, transfer: float, engines: list[str], proxy: str | None) -> None:
+        self.mode, self.every, self.transfer = mode, every, transfer
+        self.engines, self.proxy = engines, proxy
+        self.updates: list[Update] = []
+
+    async def run(self, seconds: float) -> None:
+        start = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+            for n in range(1, int(seconds / self.every) + 1):
+                at = start + n * self.every
+                if at >= start + seconds:
+                    break
+                await asyncio.sleep(at - time.monotonic())
+                await self.update(http, str(n))
+
+    async def update(self, http: aiohttp.ClientSession, version: str) -> None:
+        update = Update(version, time.monotonic())
+        self.updates.append(update)
+        await self.everywhere(http, update, f"pause?mode={self.mode}")
+        update.paused_at = time.monotonic()
+        await asyncio.sleep(self.transfer)
+        await self.everywhere(http, update, "update_weight_version", {"new_version": version})
+        await self.everywhere(http, update, "resume")
+        update.resumed_at = time.monotonic()
+
+    async def everywhere(self, http: aiohttp.ClientSession, update: Update, route: str, body: Any = None) -> None:
+        if self.proxy is not None:
+            where = "fleet/broadcast/" if route == "update_weight_version" else "fleet/"
+            await self.call(http, update, f"{self.proxy}/{where}{route}", body)
+        else:
+            await asyncio.gather(*(self.call(http, update, f"{engine}/{route}", body) for engine in self.engines))
+
+    @staticmethod
+    async def call(http: aiohttp.ClientSession, update: Update, url: str, body: Any) -> None:
+        try:
+            async with http.post(url, json=body) as reply:
+                text = await reply.text()
+                if reply.status != 200:
+                    update.errors.append(f"POST {url}: {reply.status} {text[:160]}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            update.errors.append(f"POST {url}: {exc!r}"[:200])
+
+
 # --- one run -----------------------------------------------------------------------------------------
 
 
@@ -295,6 +387,8 @@ def engine_specs(args: argparse.Namespace, scenario: Scenario) -> list[dict[str,
                 "step_per_seq": args.step_per_seq,
                 "prefill_per_token": args.prefill_per_token,
                 "late": i >= args.engines,
+                "weight_version": "0",
+                "paused_requests": args.paused_requests,
             }
         )
     return specs
@@ -313,12 +407,21 @@ async def run_once(
     )
     engines.start()
     service = None
+    trainer = None
     try:
         engines.wait_ready()
         upstreams = [f"http://{LOOPBACK}:{s['port']}/v1" for s in specs if not s["late"]]
-        service = start_target(target, args, upstreams, log_dir)
-        work = Workload(sessions=args.sessions, seed=args.seed + rep)
-        driver = Driver(work, service.url, f"r{rep}", rid_header=not target.startswith("vllm-router:"))
+        via_fleet = bool(scenario.sync) and args.sync_through == "fleet" and not is_baseline(target)
+        if target != NO_PROXY:
+            service = start_target(target, args, upstreams, log_dir, fleet_control=via_fleet)
+        retries = scenario.retries if args.retries is None else args.retries
+        work = Workload(sessions=args.sessions, seed=args.seed + rep, retries=retries)
+        urls = [service.url] if service is not None else [u.removesuffix("/v1") for u in upstreams]
+        driver = Driver(work, urls, f"r{rep}", rid_header=not target.startswith("vllm-router:"))
+        if scenario.sync:
+            proxy = service.url if via_fleet and service is not None else None
+            engine_urls = [u.removesuffix("/v1") for u in upstreams]
+            trainer = Trainer(scenario.sync, args.sync_every, args.sync_transfer, engine_urls, proxy)
         t0 = time.monotonic()
         window = (t0 + args.warmup, t0 + args.warmup + args.duration)
         event_time, event_note = 0.0, ""
@@ -333,14 +436,20 @@ async def run_once(
                 late = specs[-1]
                 await asyncio.to_thread(post, f"http://{LOOPBACK}:{control}/start/{len(specs) - 1}")
                 url = f"http://{LOOPBACK}:{late['port']}/v1"
-                event_note = await asyncio.to_thread(add_upstream, target, service.url, url)
+                if service is None:
+                    event_note = "no router: the clients know only the first engines"
+                else:
+                    event_note = await asyncio.to_thread(add_upstream, target, service.url, url)
 
         tasks = [driver.run(args.warmup + args.duration)]
         if scenario.event:
             tasks.append(event())
-        cpu = service.cpu()
+        if trainer is not None:
+            tasks.append(trainer.run(args.warmup + args.duration))
+            event_note = "trainer: gymproxy's /fleet routes" if trainer.proxy else "trainer: each engine directly"
+        cpu = service.cpu() if service is not None else 0.0
         await asyncio.gather(*tasks)
-        cpu = service.cpu() - cpu
+        cpu = service.cpu() - cpu if service is not None else 0.0
         await asyncio.sleep(0.2)
         with urllib.request.urlopen(f"http://{LOOPBACK}:{control}/stats", timeout=10) as reply:
             stats = json.loads(reply.read())["engines"]
@@ -349,8 +458,10 @@ async def run_once(
             service.stop()
         engines.stop()
     row = measure(scenario, target, driver, stats, window, event_time, event_note, args.engines)
+    if trainer is not None:
+        row.update(measure_sync(target, driver, stats, window, trainer.updates))
     completed = sum(1 for t in driver.turns if t.ok)
-    row["cpu_ms"] = 1000 * cpu / completed if completed else None  # the router's own CPU per turn
+    row["cpu_ms"] = 1000 * cpu / completed if completed and service is not None else None  # the router's own CPU
     return row
 
 
@@ -428,6 +539,65 @@ def measure(
     return row
 
 
+def _version(text: str) -> int:
+    """A weight version as the trainer numbers them ("0", "1", ...); anything else sorts first."""
+    return int(text) if text.isdigit() else -1
+
+
+def measure_sync(
+    target: str, driver: Driver, stats: list[dict[str, Any]], window: tuple[float, float], updates: list[Update]
+) -> dict[str, Any]:
+    """What the weight updates did to the turns of the window, from the engines' own records.
+
+    A turn's versions are those of the engine's reply the client got: the last one under its
+    request id with the finish reason the client saw (gymproxy may re-send an aborted request
+    under the same id). It is stale when it started after a resume and some of its tokens were
+    sampled with a version older than that resume's.
+    """
+    start, end = window
+    replies: dict[str, list[tuple[str, list[str]]]] = defaultdict(list)  # rid -> (finish, versions)
+    for engine in stats:
+        for rid, finish, _tokens, spans in engine["replies"]:
+            replies[rid].append((finish, [version for version, _first in spans]))
+    turns = [t for t in driver.turns if t.end and start <= t.end < end]
+    resumes = sorted((u.resumed_at, u.version) for u in updates if u.resumed_at)
+    stale = mixed = unmatched = misstamped = 0
+    for t in turns:
+        if not t.ok:
+            continue
+        versions = next((v for finish, v in reversed(replies.get(t.rid, [])) if finish == t.finish), None)
+        if versions is None:
+            unmatched += 1
+            continue
+        due = max((_version(v) for at, v in resumes if at <= t.start), default=0)
+        stale += any(_version(v) < due for v in versions)
+        mixed += len(set(versions)) > 1
+        misstamped += t.stamp is not None and not set(versions) <= {v.strip() for v in t.stamp.split(",")}
+    window_updates = [u for u in updates if start <= u.pause_at < end]
+    pauses = [u.resumed_at - u.pause_at for u in window_updates if u.resumed_at]
+    errors = [e for u in updates for e in u.errors]
+    replied = [t for t in turns if t.status == 200]
+    failed = Counter(
+        "abort" if t.finish == "abort" else str(t.status) if t.status else "connection"
+        for t in driver.turns
+        if t.end >= start and t.error
+    )
+    return {
+        "failed_by": dict(failed),  # "503", "abort" (finish_reason), "connection", other statuses
+        "aborted": sum(1 for t in turns if t.finish == "abort"),
+        "stale": stale,
+        "mixed": mixed,  # replies sampled with two or more versions (keep: frozen across an update)
+        "unmatched": unmatched,  # completed turns the engines have no reply for (should be 0)
+        "unstamped": None if is_baseline(target) else sum(1 for t in replied if t.stamp is None),
+        "misstamped": None if is_baseline(target) else misstamped,
+        "replied": len(replied),
+        "pause_s": statistics.mean(pauses) if pauses else None,
+        "updates": len(updates),
+        "update_errors": len(errors),
+        "first_update_error": errors[0] if errors else "",
+    }
+
+
 # --- the report --------------------------------------------------------------------------------------
 
 
@@ -445,9 +615,43 @@ def _f(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def render_sync(name: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The table of a weight-sync scenario: what the updates cost each target, and what went wrong."""
+    lines = [f"\n{name}: {SCENARIOS[name].about}"]
+    head = f"  {'target':28} {'hit %':>6} {'turns/s':>8} {'p99 s':>6} {'failed':>7} {'aborted':>7} {'stale':>5}"
+    head += f" {'mixed':>5} {'unstamped':>9} {'pause s':>7} {'updates':>7}"
+    lines.append(head)
+    for target, r in rows.items():
+        unstamped = "n/a" if r.get("unstamped") is None else f"{r['unstamped']:.0f}/{r['replied']:.0f}"
+        updates = f"{r['updates']:.0f}" + (f" ({r['update_errors']:.0f} err)" if r.get("update_errors") else "")
+        line = (
+            f"  {target:28} {_f(100 * r['hit'], '6.1f')} {_f(r['turns_s'], '8.1f')} {_f(r['p99'], '6.2f')}"
+            f" {r['failed']:>7.0f} {r['aborted']:>7.0f} {r['stale']:>5.0f} {r['mixed']:>5.0f} {unstamped:>9}"
+            f" {_f(r.get('pause_s'), '7.2f')} {updates:>7}"
+        )
+        if r.get("note"):
+            line += f"  ({r['note']})"
+        lines.append(line)
+        if r.get("first_update_error"):
+            lines.append(f"    first trainer error: {r['first_update_error']}")
+    return lines
+
+
+SYNC_LEGEND = (
+    "\n  weight-sync: failed: client turn attempts that failed (503, finish_reason abort, a connection error),"
+    "\n  each retried by the client; aborted: replies with finish_reason abort that reached the client; stale:"
+    "\n  turns started after a resume but sampled (partly) with an older version; mixed: replies sampled with"
+    "\n  2+ versions; unstamped: 200 replies without X-Weight-Version (n/a: no proxy to stamp them); pause s:"
+    "\n  mean seconds from the trainer's pause to its resume answering; updates: weight updates in the run"
+)
+
+
 def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str, Any]]) -> str:
     lines = []
     for name, rows in summary.items():
+        if SCENARIOS[name].sync:
+            lines += render_sync(name, rows)
+            continue
         lines.append(f"\n{name}: {SCENARIOS[name].about}")
         head = f"  {'target':28} {'hit %':>6} {'turns/s':>8} {'p50 s':>6} {'p99 s':>6} {'imbal':>6}"
         head += f" {'moved':>7} {'failed':>7} {'twice':>5} {'cpu ms':>6}"
@@ -471,15 +675,17 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
         "\n  added engine's share of the tokens of requests sent after it was added; exist moved: sessions from"
         "\n  before that moved; cpu ms: the router's own CPU time per completed turn (all its processes)"
     )
+    if any(SCENARIOS[name].sync for name in summary):
+        lines.append(SYNC_LEGEND)
     if checks:
-        lines.append("\nchecks (issue #14, against the best baseline of each scenario):")
+        lines.append("\nchecks (issues #14 and #22, against the best baseline of each scenario):")
         for c in checks:
-            lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['scenario']:12} {c['target']:20} {c['what']}")
+            lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['scenario']:16} {c['target']:20} {c['what']}")
     return "\n".join(lines)
 
 
 def is_baseline(target: str) -> bool:
-    return target in BUILTIN or target.startswith("vllm-router:")
+    return target in BUILTIN or target == NO_PROXY or target.startswith("vllm-router:")
 
 
 def goal_checks(summary: dict[str, dict[str, dict[str, Any]]], engines: int) -> list[dict[str, Any]]:
@@ -528,6 +734,23 @@ def goal_checks(summary: dict[str, dict[str, dict[str, Any]]], engines: int) -> 
             elif name == "kill":
                 check(r["failed_plain"] == 0, f"{r['failed_plain']:.0f} failed non-streamed turns == 0")
                 check(r["twice"] == 0, f"{r['twice']:.0f} requests completed twice == 0")
+            elif SCENARIOS[name].sync:
+                check(
+                    r["updates"] > 0 and r["update_errors"] == 0,
+                    f"{r['updates']:.0f} weight updates, {r['update_errors']:.0f} trainer calls failed == 0",
+                )
+                check(r["failed"] == 0, f"{r['failed']:.0f} failed client turn attempts == 0")
+                check(r["aborted"] == 0, f"{r['aborted']:.0f} aborted replies reaching the client == 0")
+                check(r["stale"] == 0, f"{r['stale']:.0f} turns after a resume sampled with an old version == 0")
+                check(
+                    r["unstamped"] == 0 and r["replied"] > 0,
+                    f"{r['unstamped']:.0f} of {r['replied']:.0f} replies without X-Weight-Version == 0",
+                )
+                if best is not None:
+                    check(
+                        r["turns_s"] >= 0.97 * best["turns_s"],
+                        f"turns/s {r['turns_s']:.1f} >= 0.97 x {best['turns_s']:.1f} ({best['target']})",
+                    )
     return checks
 
 
@@ -549,11 +772,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="scenarios:\n" + "\n".join(f"  {s.name:12} {s.about}" for s in SCENARIOS.values()),
     )
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated (default: all)")
-    default_targets = ["round-robin", "hash-mod-n", "gymproxy", *(f"vllm-router:{p}" for p in ROUTER_POLICIES)]
     parser.add_argument(
         "--targets",
-        default=",".join(default_targets),
-        help="round-robin, hash-mod-n, gymproxy, vllm-router:POLICY (skipped when not installed); variants are added",
+        help="round-robin, hash-mod-n, no-proxy, gymproxy, vllm-router:POLICY (skipped when not installed);"
+        " variants are added. Default: all but no-proxy, which the weight-sync scenarios add",
     )
     parser.add_argument("--variant", action="append", type=_variant, default=[], metavar="NAME=COMMAND",
                         help="one more gymproxy target, started as `COMMAND serve ...` (absolute paths)")  # fmt: skip
@@ -569,6 +791,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-per-seq", type=float, default=0.0004, help="decode step seconds added per sequence")
     parser.add_argument("--prefill-per-token", type=float, default=0.00005, help="seconds per uncached prompt token")
     parser.add_argument("--seed", type=int, default=1)
+    sync = parser.add_argument_group("weight-sync scenarios")
+    sync.add_argument("--sync-every", type=float, default=5.0, help="seconds between weight updates")
+    sync.add_argument("--sync-transfer", type=float, default=0.5, help="seconds the weight transfer takes (a sleep)")
+    sync.add_argument("--sync-through", choices=("fleet", "engines"), default="fleet",
+                      help="gymproxy targets: the trainer uses gymproxy's /fleet routes (with access.fleet_control:"
+                      " true), or calls each engine itself as the baselines' trainer does")  # fmt: skip
+    sync.add_argument("--paused-requests", choices=("reject", "queue"), default="reject",
+                      help="new requests to an engine paused in abort/wait: 503 (vLLM >= 0.33) or queued (0.32)")  # fmt: skip
+    sync.add_argument("--retries", type=int, help="client retries of a failed turn (default: 2, weight-sync 10)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a check fails")
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     parser.add_argument("--render", metavar="FILE", help="print the tables of a --json result and run nothing")
@@ -577,7 +808,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in args.scenario_list if s not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
-    args.target_list = [t.strip() for t in args.targets.split(",") if t.strip()] + [n for n, _ in args.variant]
+    variants = [n for n, _ in args.variant]
+    if args.targets is None:
+        default = ["round-robin", "hash-mod-n", "gymproxy", *(f"vllm-router:{p}" for p in ROUTER_POLICIES)]
+        synced = [NO_PROXY] if any(SCENARIOS[s].sync for s in args.scenario_list) else []
+        args.target_list = synced + default + variants
+        args.targets_of = {s: [t for t in args.target_list if t != NO_PROXY or SCENARIOS[s].sync] for s in SCENARIOS}
+    else:
+        args.target_list = [t.strip() for t in args.targets.split(",") if t.strip()] + variants
+        args.targets_of = {s: args.target_list for s in SCENARIOS}
     return args
 
 
@@ -597,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             if target.split(":", 1)[1] not in ROUTER_POLICIES + ("random",):
                 skipped.append(f"{target}: unknown policy")
                 continue
-        elif target not in BUILTIN and target != "gymproxy" and target not in dict(args.variant):
+        elif target not in (*BUILTIN, NO_PROXY, "gymproxy") and target not in dict(args.variant):
             raise SystemExit(f"unknown target {target}")
         targets.append(target)
     for line in skipped:
@@ -606,14 +845,18 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="fleetbench-"))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: defaultdict(list) for s in args.scenario_list}
     for name in args.scenario_list:
+        mine = [t for t in targets if t in args.targets_of[name]]
+        if not mine:
+            continue
         for rep in range(args.repeat):
-            order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+            order = mine[rep % len(mine) :] + mine[: rep % len(mine)]
             for target in order:
                 row = asyncio.run(run_once(args, SCENARIOS[name], target, rep, log_dir))
                 runs[name][target].append(row)
                 print(
                     f"# {name} {target} run {rep + 1}: {row['turns']} turns, hit {100 * row['hit']:.1f}%,"
-                    f" failed {row['failed']}",
+                    f" failed {row['failed']}"
+                    + (f", aborted {row['aborted']}, stale {row['stale']}" if "aborted" in row else ""),
                     file=sys.stderr,
                     flush=True,
                 )

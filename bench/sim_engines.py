@@ -10,10 +10,23 @@ Tokens are words: a message is `<|role|>` followed by its words, so two prompts 
 exactly when their texts do. Each engine keeps an LRU of block hashes (chained, like vLLM's), fed
 with the prompt's blocks at admission and the prompt + answer blocks at completion.
 
-A control server (`--control-port`) answers `GET /health`, `GET /stats` (per engine: its counters
-and the request ids it completed), `POST /kill/{i}` (the engine closes its listener and resets
-every connection, failing what was in flight) and `POST /start/{i}` (a late engine starts: the
-"engine added" scenario).
+Each engine also serves vLLM's RL routes (as `VLLM_SERVER_DEV_MODE=1` mounts them; `"dev_mode":
+false` in its spec answers them 404): `POST /pause?mode=abort|wait|keep&clear_cache=`, `POST
+/resume`, `GET /is_paused`, `POST /update_weight_version {"new_version"}`, `GET /weight_info`,
+the weight-transfer routes and `POST /reset_prefix_cache`. `abort` ends every request at once with
+finish_reason "abort" (the tokens so far); `wait` answers once every request has finished; `keep`
+freezes them (no decode step) until `/resume`. New requests while paused get vLLM 0.33's 503
+"Generation is paused. Please retry after it resumes." under abort and wait, and are queued under
+keep (`"paused_requests": "queue"` in the spec queues them in every mode, as vLLM 0.32 does).
+An abort or wait pause clears the prefix cache unless `clear_cache=false`, as vLLM's does.
+Each engine has a weight version (`"weight_version"` in the spec, else vLLM's "default"), and
+every reply that ends records the version of each decode step it took part in, as vLLM's
+`WeightVersionSpan`s: (version, index of the first token it sampled).
+
+A control server (`--control-port`) answers `GET /health`, `GET /stats` (per engine: its counters,
+the request ids it completed, and every reply that ended with its finish reason and version
+spans), `POST /kill/{i}` (the engine closes its listener and resets every connection, failing
+what was in flight) and `POST /start/{i}` (a late engine starts: the "engine added" scenario).
 
     python bench/sim_engines.py --control-port 9000 --spec '[{"port": 9001}, {"port": 9002}]'
 """
@@ -35,6 +48,16 @@ from aiohttp import web
 
 BLOCK = 16
 MAX_LAG = 0.1  # seconds an engine may fall behind its virtual clock before it stops catching up
+PAUSE_MODES = ("abort", "wait", "keep")
+PAUSED = "Generation is paused. Please retry after it resumes."  # vLLM >= 0.33's 503, abort and wait modes
+TRANSFER_ROUTES = {  # vLLM's weight-transfer routes and what they answer; the sim moves no weights
+    "/init_weight_transfer_engine": "Weight transfer initialized",
+    "/shutdown_weight_transfer_engine": "Weight transfer shut down",
+    "/start_weight_update": "Weight update started",
+    "/start_draft_weight_update": "Draft weight update started",
+    "/update_weights": "Weights updated",
+    "/finish_weight_update": "Weight update finished",
+}
 
 
 def prompt_tokens(messages: list[dict[str, Any]]) -> list[str]:
@@ -61,7 +84,9 @@ def block_hashes(tokens: list[str]) -> list[int]:
 class Seq:
     """One request in an engine: what it asks for, how far it got, how its handler hears of it."""
 
-    __slots__ = ("rid", "tokens", "max_tokens", "generated", "ready_at", "done", "chunks", "cached", "words")
+    __slots__ = (
+        "rid", "tokens", "max_tokens", "generated", "ready_at", "done", "chunks", "cached", "words", "finish", "spans"
+    )  # fmt: skip
 
     def __init__(self, rid: str, tokens: list[str], max_tokens: int, stream: bool) -> None:
         self.rid = rid
@@ -70,7 +95,9 @@ class Seq:
         self.generated = 0
         self.ready_at = 0.0
         self.cached = 0
-        self.done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # False: failed
+        self.finish = ""  # "stop" or "abort" once it ended with a reply
+        self.spans: list[tuple[str, int]] = []  # (weight version, its first token), as vLLM's WeightVersionSpan
         self.chunks: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
         seed = zlib.crc32(" ".join(tokens[-BLOCK:]).encode())
         rng = random.Random(seed)
@@ -95,6 +122,13 @@ class Engine:
         self.running: list[Seq] = []
         self.wake = asyncio.Event()
         self.records: list[tuple[str, float, int, int, int]] = []  # rid, done at, prompt, cached, generated
+        self.dev_mode = bool(spec.get("dev_mode", True))  # VLLM_SERVER_DEV_MODE=1: the RL routes are mounted
+        self.queue_paused = spec.get("paused_requests", "reject") == "queue"  # vLLM 0.32: no 503 while paused
+        self.version = str(spec.get("weight_version", "default"))
+        self.paused = ""  # the mode of the pause in force, "" when generating
+        self.queued: list[Seq] = []  # arrived while paused: admitted on /resume
+        self.idle = asyncio.Event()  # nothing admitted or running: what `/pause?mode=wait` waits for
+        self.replies: list[tuple[str, str, int, list[tuple[str, int]]]] = []  # rid, finish, tokens, version spans
         self.alive = False
         self.server: asyncio.AbstractServer | None = None
         self.protocols: set[Any] = set()
@@ -131,10 +165,12 @@ class Engine:
                 except OSError:
                     pass
             transport.abort()
-        for seq in self.waiting + self.running:
-            self._end(seq, ok=False)
+        for seq in self.waiting + self.running + self.queued:
+            self._end(seq, "")
         self.waiting.clear()
         self.running.clear()
+        self.queued.clear()
+        self.idle.set()
 
     # The cache.
 
@@ -164,13 +200,18 @@ class Engine:
         # shorter, so the simulated times hold on average instead of every overshoot adding up.
         clock = time.monotonic()
         while True:
-            if not self.running and not self.waiting:
+            if self.paused == "keep" or not (self.running or self.waiting):
+                if not (self.running or self.waiting):
+                    self.idle.set()
                 self.wake.clear()
                 await self.wake.wait()
+                continue
             now = time.monotonic()
             clock = max(clock, now - MAX_LAG)
             stall = 0.0
             for seq in self.waiting:
+                if seq.done.done():  # the client left while it was queued
+                    continue
                 hashes = block_hashes(seq.tokens)
                 seq.cached = min(self._lookup(hashes), len(seq.tokens) - 1)  # vLLM recomputes the last token
                 self._insert(hashes)
@@ -181,31 +222,73 @@ class Engine:
                     seq.ready_at = clock + cost
                 self.running.append(seq)
             self.waiting.clear()
+            if not self.running:
+                continue
             decoding = [s for s in self.running if s.ready_at <= clock]
             if not decoding and stall == 0.0:
                 clock = min(s.ready_at for s in self.running)
                 await asyncio.sleep(max(0.0, clock - time.monotonic()))
                 continue
+            version = self.version  # the weights this step samples with
             clock += (self.base + self.per_seq * len(self.running)) * self.slowdown + stall
             await asyncio.sleep(max(0.0, clock - time.monotonic()))
             for seq in decoding:
-                if seq.done.done():  # the client went away
-                    self.running.remove(seq)
+                if seq.done.done():  # aborted during the step, or the client went away
                     continue
+                if not seq.spans or seq.spans[-1][0] != version:
+                    seq.spans.append((version, seq.generated))
                 if seq.chunks is not None:
                     seq.chunks.put_nowait(seq.words[seq.generated])
                 seq.generated += 1
                 if seq.generated >= seq.max_tokens:
-                    self.running.remove(seq)
                     self._insert(block_hashes([*seq.tokens, "<|assistant|>", *seq.words]))
                     self.records.append((seq.rid, time.monotonic(), len(seq.tokens), seq.cached, seq.generated))
-                    self._end(seq, ok=True)
+                    self._end(seq, "stop")
+            self.running = [s for s in self.running if not s.done.done()]
 
-    def _end(self, seq: Seq, *, ok: bool) -> None:
+    def _end(self, seq: Seq, finish: str) -> None:
+        """The sequence is over: with a reply that says `finish`, or failed ("")."""
         if not seq.done.done():
-            seq.done.set_result(ok)
+            seq.finish = finish
+            seq.done.set_result(bool(finish))
+            if finish:
+                self.replies.append((seq.rid, finish, seq.generated, seq.spans))
         if seq.chunks is not None:
             seq.chunks.put_nowait(None)
+
+    def _submit(self, seq: Seq) -> None:
+        if self.paused:
+            self.queued.append(seq)
+            return
+        self.waiting.append(seq)
+        self.idle.clear()
+        self.wake.set()
+
+    # Pause and resume, as vLLM's engine does them.
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        self.paused = mode
+        if mode == "abort":
+            for seq in self.waiting + self.running + self.queued:
+                self._end(seq, "abort")
+            self.waiting.clear()
+            self.running.clear()
+            self.queued.clear()
+        elif mode == "wait":
+            self.wake.set()  # a keep pause before this one froze the batch: it drains now
+            while self.running or self.waiting:
+                self.idle.clear()
+                await self.idle.wait()
+        if mode != "keep" and clear_cache:
+            self.cache.clear()
+
+    def resume(self) -> None:
+        self.paused = ""
+        self.waiting += self.queued
+        self.queued.clear()
+        if self.waiting:
+            self.idle.clear()
+        self.wake.set()
 
     # HTTP.
 
@@ -218,15 +301,25 @@ class Engine:
             return web.json_response(
                 {"object": "list", "data": [{"id": "sim", "object": "model", "max_model_len": 131072}]}
             )
-        if path != "/v1/chat/completions" or request.method != "POST":
-            return web.json_response({"error": {"message": f"no route {path}"}}, status=404)
+        if path == "/v1/chat/completions" and request.method == "POST":
+            return await self.chat(request)
+        if self.dev_mode and path in RL_ROUTES:
+            method, answer = RL_ROUTES[path]
+            if request.method != method:
+                return web.json_response({"detail": "Method Not Allowed"}, status=405)
+            return await answer(self, request)
+        return web.json_response({"error": {"message": f"no route {path}"}}, status=404)
+
+    async def chat(self, request: web.BaseRequest) -> web.StreamResponse:
         body = await request.json()
+        if self.paused in ("abort", "wait") and not self.queue_paused:
+            error = {"message": PAUSED, "type": "Service Unavailable", "param": None, "code": 503}
+            return web.json_response({"error": error}, status=503)
         rid = request.headers.get("X-Request-Id") or str(body.get("request_id") or id(body))
         seq = Seq(
             rid, prompt_tokens(body.get("messages", [])), int(body.get("max_tokens") or 16), bool(body.get("stream"))
         )
-        self.waiting.append(seq)
-        self.wake.set()
+        self._submit(seq)
         headers = {"X-Sim-Engine": self.name}
         created = int(time.time())
         usage = lambda: {  # noqa: E731
@@ -240,8 +333,8 @@ class Engine:
             if seq.chunks is None:
                 if not await seq.done:
                     raise ConnectionResetError
-                message = {"role": "assistant", "content": " ".join(seq.words)}
-                choice = {"index": 0, "message": message, "finish_reason": "stop"}
+                message = {"role": "assistant", "content": " ".join(seq.words[: seq.generated])}
+                choice = {"index": 0, "message": message, "finish_reason": seq.finish}
                 reply = {**base, "object": "chat.completion", "choices": [choice], "usage": usage()}
                 return web.json_response(reply, headers=headers)
             response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
@@ -256,7 +349,7 @@ class Engine:
                 await response.write(_sse({**chunk, "choices": [delta]}))
             if not seq.done.result():
                 raise ConnectionResetError
-            last = {"index": 0, "delta": {}, "finish_reason": "stop"}
+            last = {"index": 0, "delta": {}, "finish_reason": seq.finish}
             await response.write(_sse({**chunk, "choices": [last]}))
             if (body.get("stream_options") or {}).get("include_usage"):
                 await response.write(_sse({**chunk, "choices": [], "usage": usage()}))
@@ -267,13 +360,79 @@ class Engine:
             if not seq.done.done():  # cancelled: the client left, the scheduler drops it
                 seq.done.set_result(False)
 
+    # vLLM's RL routes (entrypoints/rl/online/api_router.py).
+
+    async def route_pause(self, request: web.BaseRequest) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        clear_cache = request.query.get("clear_cache", "true").lower() not in ("false", "0", "no", "off")
+        if mode not in PAUSE_MODES:
+            return web.json_response({"error": f"Invalid pause mode: {mode!r}; choose from {PAUSE_MODES}"}, status=400)
+        await self.pause(mode, clear_cache)
+        return web.json_response({"status": "paused"})
+
+    async def route_resume(self, request: web.BaseRequest) -> web.Response:
+        self.resume()
+        return web.json_response({"status": "resumed"})
+
+    async def route_is_paused(self, request: web.BaseRequest) -> web.Response:
+        return web.json_response({"is_paused": bool(self.paused)})
+
+    async def route_update_weight_version(self, request: web.BaseRequest) -> web.Response:
+        version = (await _json_object(request)).get("new_version")
+        if not isinstance(version, str):
+            return _missing("new_version")
+        self.version = version
+        return web.json_response({"success": True, "new_version": version})
+
+    async def route_weight_info(self, request: web.BaseRequest) -> web.Response:
+        return web.json_response({"weight_version": self.version})
+
+    async def route_transfer(self, request: web.BaseRequest) -> web.Response:
+        body = await _json_object(request)
+        if request.path == "/finish_weight_update" and body.get("weight_version") is not None:
+            self.version = str(body["weight_version"])
+        return web.json_response({"message": TRANSFER_ROUTES[request.path]})
+
+    async def route_reset_prefix_cache(self, request: web.BaseRequest) -> web.Response:
+        self.cache.clear()
+        return web.Response()
+
     def stats(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "url": f"http://127.0.0.1:{self.port}/v1",
             "alive": self.alive,
             "records": self.records,
+            "weight_version": self.version,
+            "paused": self.paused,
+            "replies": self.replies,
         }
+
+
+RL_ROUTES = {
+    "/pause": ("POST", Engine.route_pause),
+    "/resume": ("POST", Engine.route_resume),
+    "/is_paused": ("GET", Engine.route_is_paused),
+    "/update_weight_version": ("POST", Engine.route_update_weight_version),
+    "/weight_info": ("GET", Engine.route_weight_info),
+    "/reset_prefix_cache": ("POST", Engine.route_reset_prefix_cache),
+    **{path: ("POST", Engine.route_transfer) for path in TRANSFER_ROUTES},
+}
+
+
+async def _json_object(request: web.BaseRequest) -> dict[str, Any]:
+    """The body's JSON object; an empty or other body reads as {} (the routes then say what is missing)."""
+    try:
+        body = await request.json() if await request.read() else {}
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _missing(field: str) -> web.Response:
+    """FastAPI's 422 for a required body field that is missing or not a string."""
+    detail = [{"type": "missing", "loc": ["body", field], "msg": "Field required", "input": None}]
+    return web.json_response({"detail": detail}, status=422)
 
 
 def _sse(obj: Any) -> bytes:

@@ -1,17 +1,24 @@
 """Smoke tests of bench/: each script runs for about a second and reports sane numbers.
 
 Timings are never asserted (the machine may be busy): only that every target answered every
-scenario correctly, that throughput is positive and that CPU figures are present.
+scenario correctly, that throughput is positive and that CPU figures are present. The simulated
+engines' pause modes and fleet.py's weight-sync bookkeeping are tested in process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -115,3 +122,245 @@ def test_fleet_simulates_a_kill_against_a_baseline_and_gymproxy() -> None:
             assert row["failed"] > 0 or row["moved"] > 0, (target, row)
     assert {c["target"] for c in report["checks"]} == {"gymproxy"}
     assert any("completed twice" in c["what"] for c in report["checks"])
+
+
+def _bench_module(name: str) -> Any:
+    """bench/NAME.py as a module (bench/ is not a package), loaded once."""
+    if f"bench_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        path = list(sys.path)
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path[:] = path  # fleet.py puts bench/ first, for its own imports only
+    return sys.modules[f"bench_{name}"]
+
+
+@pytest.fixture
+async def sim_engine(unused_tcp_port: int) -> Any:
+    """One simulated engine on a real port, 2 ms decode steps, weight version "1"; `.url` is its root."""
+    engine = _bench_module("sim_engines").Engine(
+        0, {"port": unused_tcp_port, "step_base": 0.002, "step_per_seq": 0.0, "weight_version": "1"}
+    )
+    await engine.start()
+    engine.url = f"http://127.0.0.1:{unused_tcp_port}"
+    yield engine
+    engine.kill()
+
+
+def _chat(rid: str, max_tokens: int, *, stream: bool = False) -> dict[str, Any]:
+    messages = [{"role": "user", "content": rid}]
+    return {"model": "sim", "messages": messages, "max_tokens": max_tokens, "request_id": rid, "stream": stream}
+
+
+async def _until(condition: Callable[[], object], what: str) -> None:
+    """Until `condition()` holds (the engine's own state, looked at between its steps), at most 5 s."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"not within 5 s: {what}")
+
+
+async def _read_stream(reply: aiohttp.ClientResponse) -> tuple[int, str | None, bool]:
+    """Words, the last finish_reason and whether [DONE] came, of a chat stream."""
+    words, finish, done = 0, None, False
+    async for line in reply.content:
+        if line.startswith(b"data: [DONE]"):
+            done = True
+        elif line.startswith(b"data: "):
+            for choice in json.loads(line[6:])["choices"]:
+                words += bool(choice["delta"].get("content"))
+                finish = choice["finish_reason"] or finish
+    return words, finish, done
+
+
+async def _first_word(reply: aiohttp.ClientResponse) -> None:
+    """Reads a chat stream up to its first generated word: the sequence is decoding."""
+    async for line in reply.content:
+        if line.startswith(b"data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            return
+
+
+def _spans(engine: Any, rid: str) -> list[tuple[str, list[str]]]:
+    """(finish, versions) of every reply the engine ended under `rid`."""
+    return [(finish, [v for v, _ in spans]) for r, finish, _tokens, spans in engine.replies if r == rid]
+
+
+async def test_sim_engine_abort_pause_cuts_every_request_and_answers_503_until_resume(sim_engine: Any) -> None:
+    url = sim_engine.url
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with http.post(f"{url}/v1/chat/completions", json=_chat("s", 5000, stream=True)) as stream:
+            await _first_word(stream)
+            plain = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=_chat("p", 5000)))
+            await _until(lambda: any(seq.rid == "p" for seq in sim_engine.running), "p admitted")
+            async with http.post(f"{url}/pause?mode=abort") as reply:
+                assert (reply.status, await reply.json()) == (200, {"status": "paused"})
+            words, finish, done = await _read_stream(stream)
+            assert finish == "abort" and done and words < 5000
+        async with await plain as reply:
+            choice = (await reply.json())["choices"][0]
+            assert reply.status == 200 and choice["finish_reason"] == "abort"
+            assert len(choice["message"]["content"].split()) < 5000
+        async with http.post(f"{url}/v1/chat/completions", json=_chat("late", 5)) as reply:
+            assert reply.status == 503
+            assert (await reply.json())["error"]["message"] == "Generation is paused. Please retry after it resumes."
+        async with http.get(f"{url}/is_paused") as reply:
+            assert await reply.json() == {"is_paused": True}
+        async with http.post(f"{url}/update_weight_version", json={"new_version": "2"}) as reply:
+            assert await reply.json() == {"success": True, "new_version": "2"}
+        async with http.get(f"{url}/weight_info") as reply:
+            assert await reply.json() == {"weight_version": "2"}
+        async with http.post(f"{url}/resume") as reply:
+            assert await reply.json() == {"status": "resumed"}
+        async with http.post(f"{url}/v1/chat/completions", json=_chat("after", 5)) as reply:
+            assert (await reply.json())["choices"][0]["finish_reason"] == "stop"
+    assert _spans(sim_engine, "s") == [("abort", ["1"])]
+    assert _spans(sim_engine, "p") in ([("abort", [])], [("abort", ["1"])])  # cut in its prefill, or later
+    assert _spans(sim_engine, "after") == [("stop", ["2"])]
+    assert not sim_engine.cache  # an abort pause clears the prefix cache (clear_cache defaults to true)
+
+
+async def test_sim_engine_keep_pause_freezes_requests_and_queues_new_ones(sim_engine: Any) -> None:
+    url = sim_engine.url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        async with http.post(f"{url}/v1/chat/completions", json=_chat("s", 60, stream=True)) as stream:
+            await _first_word(stream)
+            async with http.post(f"{url}/pause?mode=keep") as reply:
+                assert reply.status == 200
+            (frozen,) = sim_engine.running
+            await _until(lambda: not sim_engine.wake.is_set(), "the scheduler froze")  # after the step under way
+            before = frozen.generated
+            queued = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=_chat("q", 5)))
+            await asyncio.sleep(0.1)  # 50 decode steps' time: none may run
+            assert frozen.generated == before < 60 and not queued.done()
+            async with http.post(f"{url}/update_weight_version", json={"new_version": "2"}) as reply:
+                assert reply.status == 200
+            async with http.post(f"{url}/resume") as reply:
+                assert reply.status == 200
+            assert await _read_stream(stream) == (60 - 1, "stop", True)  # the first word was read above
+        async with await queued as reply:
+            assert (await reply.json())["choices"][0]["finish_reason"] == "stop"
+    assert _spans(sim_engine, "s") == [("stop", ["1", "2"])]  # sampled by both versions
+    assert _spans(sim_engine, "q") == [("stop", ["2"])]
+
+
+async def test_sim_engine_wait_pause_answers_once_requests_finished(sim_engine: Any) -> None:
+    url = sim_engine.url
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        plain = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=_chat("p", 50)))
+        await _until(lambda: sim_engine.running, "p admitted")
+        pause = asyncio.ensure_future(http.post(f"{url}/pause?mode=wait"))
+        await _until(lambda: sim_engine.paused, "the pause began")
+        async with http.post(f"{url}/v1/chat/completions", json=_chat("late", 5)) as reply:
+            assert reply.status == 503  # vLLM >= 0.33 under wait too
+        async with await pause as reply:
+            assert reply.status == 200
+            assert plain.done()  # /pause answered only once the request in flight had finished
+        async with await plain as reply:
+            assert (await reply.json())["choices"][0]["finish_reason"] == "stop"
+        async with http.post(f"{url}/pause?mode=sideways") as reply:
+            assert reply.status == 400 and "error" in await reply.json()
+
+
+async def test_sim_engine_can_queue_requests_while_paused_as_vllm_032(unused_tcp_port: int) -> None:
+    engine = _bench_module("sim_engines").Engine(
+        0, {"port": unused_tcp_port, "step_base": 0.002, "paused_requests": "queue"}
+    )
+    await engine.start()
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            async with http.post(f"{url}/pause?mode=abort") as reply:
+                assert reply.status == 200
+            queued = asyncio.ensure_future(http.post(f"{url}/v1/chat/completions", json=_chat("q", 5)))
+            await _until(lambda: engine.queued, "q queued")
+            async with http.post(f"{url}/resume") as reply:
+                assert reply.status == 200
+            async with await queued as reply:
+                assert (await reply.json())["choices"][0]["finish_reason"] == "stop"
+        assert [(f, v) for _, f, _, v in engine.replies] == [("stop", [("default", 0)])]  # vLLM's first version
+    finally:
+        engine.kill()
+
+
+def test_fleet_weight_sync_measures_stale_mixed_aborted_and_unstamped_replies() -> None:
+    fleet = _bench_module("fleet")
+    driver = fleet.Driver(fleet.Workload(sessions=1), ["http://127.0.0.1:1"], "t")
+    update = fleet.Update("1", pause_at=10.0, paused_at=10.1, resumed_at=10.6)
+    turn = fleet.Turn
+    driver.turns = [
+        turn("s0", "user", "old", start=9.0, end=11.0, ok=True, status=200, finish="stop", stamp="0,1"),
+        turn("s1", "user", "late", start=10.7, end=11.5, ok=True, status=200, finish="stop", stamp="1"),
+        turn("s2", "user", "new", start=10.8, end=11.6, ok=True, status=200, finish="stop"),
+        turn("s3", "user", "cut", start=9.5, end=10.0, status=200, finish="abort", stamp="0"),
+        turn("s3", "user", "refused", start=10.2, end=10.3, status=503),
+    ]
+    stats = [
+        {
+            "name": "e0",
+            "replies": [
+                ["old", "stop", 40, [["0", 0], ["1", 12]]],  # frozen across the update (keep): mixed, not stale
+                ["late", "abort", 3, [["0", 0]]],  # an earlier attempt under the same id, cut
+                ["late", "stop", 40, [["0", 0]]],  # started after the resume, sampled by "0": stale
+                ["new", "stop", 40, [["1", 0]]],
+                ["cut", "abort", 7, [["0", 0]]],
+            ],
+        }
+    ]
+    row = fleet.measure_sync("gymproxy", driver, stats, (9.8, 12.0), [update])
+    assert (row["stale"], row["mixed"], row["aborted"], row["unmatched"]) == (1, 1, 1, 0)
+    assert (row["unstamped"], row["replied"]) == (1, 4)  # "new" has no X-Weight-Version
+    assert row["misstamped"] == 1  # "late" says "1", the engine sampled it with "0"
+    assert row["updates"] == 1 and row["pause_s"] == pytest.approx(0.6)
+    assert fleet.measure_sync("no-proxy", driver, stats, (9.8, 12.0), [update])["unstamped"] is None
+
+
+def test_fleet_weight_sync_pauses_the_engines_under_the_baseline_and_gymproxy() -> None:
+    result = run(
+        "fleet.py", "--scenarios", "weight-sync", "--targets", "no-proxy,gymproxy", "--sync-through", "engines",
+        "--engines", "2", "--sessions", "4", "--duration", "2", "--warmup", "0.5", "--sync-every", "0.8",
+        "--sync-transfer", "0.2", "--json",
+        timeout=180,
+    )  # fmt: skip
+    report = json.loads(result.stdout)
+    rows = report["summary"]["weight-sync"]
+    assert set(rows) == {"no-proxy", "gymproxy"}
+    for target, row in rows.items():
+        assert row["updates"] >= 2 and row["update_errors"] == 0, (target, row["first_update_error"])
+        assert row["turns"] > 0 and row["unmatched"] == 0 and row["stale"] == 0, target
+        assert row["pause_s"] >= 0.2, target  # the transfer alone takes that
+    # Paused in abort mode, the engines cut and refused the clients' turns, which the clients retried.
+    assert rows["no-proxy"]["failed"] > 0 and rows["no-proxy"]["unstamped"] is None
+    assert rows["gymproxy"]["unstamped"] is not None and rows["gymproxy"]["cpu_ms"] > 0
+    assert {c["target"] for c in report["checks"]} == {"gymproxy"}
+    assert any("X-Weight-Version" in c["what"] for c in report["checks"])
+
+
+async def test_fleet_trainer_takes_gymproxy_through_an_update_by_its_fleet_routes(aiohttp_server: Any) -> None:
+    calls: list[tuple[str, str, Any]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        body = await request.text()
+        calls.append((request.method, request.path_qs, json.loads(body) if body else None))
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", record)
+    server = await aiohttp_server(app)
+    proxy = str(server.make_url("")).rstrip("/")
+    unreachable = "http://127.0.0.1:9"  # the engines: through gymproxy, the trainer never calls them
+    trainer = _bench_module("fleet").Trainer("keep", 1.0, 0.0, [unreachable], proxy)
+    async with aiohttp.ClientSession() as http:
+        await trainer.update(http, "3")
+    assert calls == [
+        ("POST", "/fleet/pause?mode=keep", None),
+        ("POST", "/fleet/broadcast/update_weight_version", {"new_version": "3"}),
+        ("POST", "/fleet/resume", None),
+    ]
+    (update,) = trainer.updates
+    assert update.errors == [] and update.pause_at <= update.paused_at <= update.resumed_at
