@@ -109,14 +109,17 @@ class Control:
             if all(o.ok for o in outcomes):
                 log.info("fleet paused (mode %s): %d engines; new requests are held", mode, len(outcomes))
                 return True, outcomes
+            failed = ", ".join(f"{o.url} ({o.error or o.status})" for o in outcomes if not o.ok)
+            if was_paused:  # a second pause (another mode) that failed: the first one stands
+                log.warning("fleet pause (mode %s) failed: %s; the fleet stays paused", mode, failed)
+                return False, outcomes
             paused = [o for o in outcomes if o.ok]
             undone = await self._each("POST", "resume", "", None, only={o.name for o in paused})
-            for outcome, again in zip(paused, undone, strict=True):
-                outcome.resumed = again.ok
-            if not was_paused:
-                self.holds.resume()
-                self.fleet.engines.resume_all()
-            failed = ", ".join(f"{o.url} ({o.error or o.status})" for o in outcomes if not o.ok)
+            resumed = {o.name for o in undone if o.ok}
+            for outcome in paused:
+                outcome.resumed = outcome.name in resumed
+            self.holds.resume()
+            self.fleet.engines.resume_all()
             log.warning("fleet pause failed: %s; the engines that paused were resumed", failed)
             return False, outcomes
 

@@ -238,7 +238,7 @@ async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker
         status, _, headers = await turn(session, url, "first")
         assert status == 200
         cookie = headers["Set-Cookie"].split(";")[0]
-        pinned = next(f for f in fakes if f.requests)
+        pinned = next(f for f in fakes if generations(f))
         await pinned.pause("abort")
         waiting = asyncio.ensure_future(turn(session, url, "second", headers={"Cookie": cookie}))
         assert await eventually(lambda: proxy.fleet.engines.waiting(proxy.fleet.upstreams[fakes.index(pinned)]) == 1)
