@@ -45,6 +45,7 @@ from .convert.completions import (
     to_chat_completion,
     to_completions_body,
 )
+from .convert.continuation import Partial, continuation
 from .convert.reply import ChatReply, attach_tokens, chat_answer, empty_completion, to_response
 from .convert.stream import ChatStream, ResponsesStream
 from .convert.tokens import TokenInfo, from_reply, prompt_ids_from_tokenize, tokenize_body
@@ -186,6 +187,8 @@ class Translator(Protocol):
     def finish(self, tokens: TokenInfo | None = None) -> bytes: ...
     def fail(self, message: str) -> bytes: ...
     def answer_locally(self, finish_reason: str) -> bytes: ...
+    def keep(self) -> None: ...
+    def partial(self) -> tuple[str, str, int] | None: ...
 
 
 class Backend(Protocol):
@@ -514,46 +517,116 @@ class Exchange:
             sent.release()  # closed unless read to its end: vLLM stops generating
 
     async def _translate(self, sent: Sent, backend: Backend, translator: Translator, writer: SSEWriter) -> bytes | None:
-        """Relay the upstream's stream through `translator`; the tail to end it with (None: the client left)."""
-        payloads = _Payloads(backend.adapter(), self.proxy.config.limits.max_reply_size)
+        """Relay the upstream's stream through `translator`; the tail to end it with (None: the client left).
+
+        With fleet control on, a chat stream a pause cut (`finish_reason: "abort"`) is continued once
+        its engine resumes (`convert.continuation`): the new stream's payloads follow in the same
+        translator, so the client sees one stream."""
+        config = self.proxy.config
+        payloads = _Payloads(backend.adapter(), config.limits.max_reply_size)
         feed = translator.payload
         out: list[bytes] = []
+        watch = self.proxy.control is not None and backend.route == "chat" and not config.return_token_id_information
+        if watch:
+            translator.keep()
+        current = sent  # the stream being relayed: `sent`, or a continuation of it
         try:
             head = translator.start()
             if head:
                 await writer.write(head)
-            async for data in sent.reply.iter_any():
-                for payload in payloads.feed(data):
-                    out.append(feed(payload))
-                if out:
-                    frames = out[0] if len(out) == 1 else b"".join(out)
-                    out.clear()
-                    await writer.write(frames)
+            while True:
+                cut: _Cut | None = None
+                async for data in current.reply.iter_any():
+                    for payload in payloads.feed(data):
+                        if cut is not None:
+                            cut.rest.append(payload)  # what vLLM sends after the cut: usage, [DONE]
+                        elif watch and ABORT in payload and (cut := _Cut.of(payload)) is not None:
+                            pass
+                        else:
+                            out.append(feed(payload))
+                    if out:
+                        frames = out[0] if len(out) == 1 else b"".join(out)
+                        out.clear()
+                        await writer.write(frames)
+                if cut is None:
+                    break
+                following = await self._continuation(current, backend, translator, cut)
+                if following is None:  # it ends as vLLM ended it, saying it was aborted
+                    out += [feed(payload) for payload in (cut.payload, *cut.rest)]
+                    break
+                if cut.text is not None:
+                    out.append(feed(cut.text))
+                if current is not sent:
+                    current.release()
+                current = following
+                payloads = _Payloads(backend.adapter(), config.limits.max_reply_size)
             if not (payloads.done or translator.ended):
                 raise UpstreamError("the stream ended without [DONE]")
             tokens = None
-            if self.proxy.config.return_token_id_information and isinstance(translator, ResponsesStream):
-                tokens = await self._tokens(sent.upstream, backend, backend.stream_tokens(translator))
+            if config.return_token_id_information and isinstance(translator, ResponsesStream):
+                tokens = await self._tokens(current.upstream, backend, backend.stream_tokens(translator))
                 tokens.weight_version = sent.versions()
-            return translator.finish(tokens)
+            return b"".join(out) + translator.finish(tokens)
         except ClientGone:
-            sent.close()
+            current.close()
             return None
         except Aborted as exc:  # the shutdown's grace is over
             failure = str(exc)
         except ReplyTooLarge as exc:
-            failure = too_large(sent.reply, exc).message
+            failure = too_large(current.reply, exc).message
         except SSEError:
-            limit = self.proxy.config.limits.max_reply_size
-            failure = f"the upstream {sent.upstream.url} sent an event over {limit} bytes (limits.max_reply_size)"
+            limit = config.limits.max_reply_size
+            failure = f"the upstream {current.upstream.url} sent an event over {limit} bytes (limits.max_reply_size)"
         except READ_ERRORS as exc:
-            failure = f"the upstream {sent.upstream.url} failed mid-stream: {describe(exc)}"
+            failure = f"the upstream {current.upstream.url} failed mid-stream: {describe(exc)}"
         except Exception:  # a bug in gymproxy: the stream still ends with its terminal event
             log.exception("unhandled error while relaying a stream")
             failure = "internal error in gymproxy (see its log)"
-        sent.close()
+        finally:
+            if current is not sent:
+                current.release()
+        current.close()
         # The frames of this read made before the failure go first: their sequence numbers are taken.
         return b"".join(out) + translator.fail(failure)
+
+    async def _continuation(self, cut_off: Sent, backend: Backend, translator: Translator, cut: _Cut) -> Sent | None:
+        """The stream that continues one a pause cut, once its engine resumes; None when it is not
+        continued (see `convert.continuation`), or the engine was not paused (the trainer's
+        /abort_requests)."""
+        text = translator.partial()
+        body = getattr(backend, "body", None)
+        if text is None or not isinstance(body, dict):
+            return None
+        content, reasoning, deltas = text
+        # vLLM streams about one token a delta (a few hold two): its usage, when asked for, is exact.
+        following = continuation(body, Partial(content, reasoning, cut.tokens() or deltas))
+        if following is None:
+            return None
+        data = ENCODER.encode(following)
+        until = asyncio.get_running_loop().time() + self.proxy.config.hold.timeout_s
+        if not await self._resumed_after_abort(cut_off.upstream, until, len(data)):
+            return None
+        self.fleet.retries["abort"] += 1
+        sent = await self._send(backend.route, data)
+        if sent.reply.status != 200 or sent.reply.content_type != "text/event-stream":
+            sent.close()
+            raise UpstreamError(
+                f"the upstream {sent.upstream.url} answered {sent.reply.status} to the continuation of a stream "
+                "a weight-update pause cut"
+            )
+        return sent
+
+    async def _resumed_after_abort(self, upstream: Upstream, until: float, size: int) -> bool:
+        """After a reply a pause cut: whether to send it again (once the pause is over). While the
+        fleet is paused the next send waits for it; else only if its engine says it is paused,
+        waiting for it to resume. An abort while nothing is paused was asked for (/abort_requests)."""
+        fleet = self.fleet
+        if fleet.holds.paused:
+            return True
+        if not await fleet.engines.paused(upstream):
+            return False
+        await fleet.engines.resumed(upstream, until, size)
+        return True
 
     async def _answer_locally(self, answer: Answer, finish_reason: str, *, stream: bool) -> web.StreamResponse:
         if not stream:
@@ -608,10 +681,8 @@ class Exchange:
         until = loop.time() + self.proxy.config.hold.timeout_s
         resends = 0
         while _aborted(payload) and abort_resend(resends, loop.time(), until):
-            if not fleet.holds.paused:  # else the next send waits for the fleet to resume
-                if not await fleet.engines.paused(sent.upstream):
-                    break
-                await fleet.engines.resumed(sent.upstream, until, len(data or b""))
+            if not await self._resumed_after_abort(sent.upstream, until, len(data or b"")):
+                break
             resends += 1
             fleet.retries["abort"] += 1
             sent.release()
@@ -784,3 +855,42 @@ def _aborted(payload: bytes) -> bool:
     except (orjson.JSONDecodeError, AttributeError):
         return False
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+
+
+class _Cut:
+    """A stream's chunk that says a pause cut it (`finish_reason: "abort"`), and what followed it."""
+
+    __slots__ = ("payload", "text", "rest")
+
+    def __init__(self, payload: bytes, text: bytes | None) -> None:
+        self.payload = payload
+        self.text = text  # the chunk without its finish reason, when it carried text too
+        self.rest: list[bytes] = []
+
+    @classmethod
+    def of(cls, payload: bytes) -> _Cut | None:
+        """The cut, if `payload` is vLLM's abort chunk (first choice finished "abort")."""
+        try:
+            chunk = orjson.loads(payload)
+            choice = chunk["choices"][0]
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+            return None
+        if not isinstance(choice, dict) or choice.get("finish_reason") != "abort":
+            return None
+        delta = choice.get("delta")
+        text = None
+        if isinstance(delta, dict) and any(delta.get(k) for k in ("content", "reasoning", "reasoning_content")):
+            choice["finish_reason"] = None
+            text = orjson.dumps(chunk)
+        return cls(payload, text)
+
+    def tokens(self) -> int | None:
+        """The tokens it generated, from the usage chunk vLLM sends after it (when asked for)."""
+        for payload in self.rest:
+            try:
+                usage = orjson.loads(payload).get("usage")
+            except (orjson.JSONDecodeError, AttributeError):
+                continue
+            if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
+                return int(usage["completion_tokens"])
+        return None

@@ -241,7 +241,9 @@ async def test_health_checks_mark_down_and_back_up(aiohttp_server, fleet):
             await revived.cleanup()
 
 
-async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on(aiohttp_server, fleet, caplog, monkeypatch):
+async def test_a_health_check_that_raises_is_logged_counted_and_the_loop_goes_on(
+    aiohttp_server, fleet, caplog, monkeypatch
+):
     """Any exception of one check, even a gymproxy bug, is one failed check: the loop lives on."""
     fakes, _ = fleet
     cfg = build_config({"base_url": [f.url for f in fakes], "health": {"interval": 0.05, "timeout": 1.0}}, environ={})

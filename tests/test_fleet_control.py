@@ -250,7 +250,7 @@ async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker
     assert generations(pinned) >= 3  # 200, 503, 200
     assert sum(generations(f) for f in fakes) == generations(pinned)
     text = proxy.render_metrics()
-    assert "gymproxy_upstream_breaker_opened_total" in text and ' 1\n' not in "".join(
+    assert "gymproxy_upstream_breaker_opened_total" in text and " 1\n" not in "".join(
         line + "\n" for line in text.splitlines() if line.startswith("gymproxy_upstream_breaker_opened_total")
     )
 
@@ -297,7 +297,9 @@ async def test_an_engine_that_dies_while_paused_is_reported_and_its_sessions_go_
 
 async def test_an_engine_added_while_paused_joins_paused(aiohttp_server):
     fakes = await engines(aiohttp_server, 2)
-    url, proxy = await gymproxy_for(aiohttp_server, fakes[:1], access={"fleet_control": True, "admin_fleet_changes": True})
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes[:1], access={"fleet_control": True, "admin_fleet_changes": True}
+    )
     async with aiohttp.ClientSession() as session:
         await post(session, url + "/fleet/pause?mode=keep")
         status, _, _ = await post(session, url + "/admin/upstreams", {"url": fakes[1].url, "name": "late"})
@@ -324,11 +326,47 @@ async def test_a_pause_while_a_breaker_is_half_open_lets_its_probe_decide_after_
     assert not breaker.blocked  # the probe went, after the resume, and closed it
 
 
-async def test_a_stream_an_abort_cuts_ends_saying_why(aiohttp_server):
-    """A stream cannot be taken back once under way: cut by an abort pause, a Responses stream ends
-    with `response.incomplete` (reason "abort"), a chat stream with `finish_reason: "abort"`."""
+async def test_a_stream_an_abort_cuts_is_continued_once_the_fleet_resumes(aiohttp_server):
+    """With fleet control, a stream under way when an abort pause cuts it is continued after the
+    resume (a partial rollout): the same request, with the text so far as the final assistant
+    message vLLM continues. The client sees one stream that ends as any other, with all the text."""
     fakes = await engines(aiohttp_server, 1)
-    url, _ = await gymproxy_for(aiohttp_server, fakes)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes)
+    words = " ".join(f"t{i}" for i in range(60))
+    fakes[0].push(Script(content=words, chunk_delay=0.02), Script(content=words, chunk_delay=0.02))
+    async with aiohttp.ClientSession() as session:
+
+        async def read(path: str, body: dict[str, Any]) -> bytes:
+            async with session.post(url + path, json=body) as r:
+                return await r.read()
+
+        responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
+        chats = asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
+        await fakes[0].scheduler.generating(2)
+        await asyncio.sleep(0.3)  # some text is out
+        await post(session, url + "/fleet/pause?mode=abort")
+        await asyncio.sleep(0.2)
+        assert not responses.done() and not chats.done()  # held, not ended
+        await post(session, url + "/fleet/resume")
+        streamed, chatted = await asyncio.wait_for(asyncio.gather(responses, chats), 20)
+    last = [line for line in streamed.split(b"\n") if line.startswith(b"data: ")][-1]
+    event = orjson.loads(last[6:])
+    assert event["type"] == "response.completed", event
+    continued = [r for r in fakes[0].requests if r.json and r.json.get("continue_final_message")]
+    assert len(continued) == 2  # each stream was continued from where it was cut
+    for request in continued:
+        so_far = request.json["messages"][-1]
+        assert so_far["role"] == "assistant" and words.startswith(so_far["content"].strip()) and so_far["content"]
+    assert b'"finish_reason":"abort"' not in chatted.replace(b" ", b"")
+    assert chatted.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"stop"' in chatted.replace(b" ", b"")
+    assert 'gymproxy_retries_total{reason="abort"} 2' in proxy.render_metrics()
+
+
+async def test_without_fleet_control_a_stream_an_abort_cuts_ends_saying_why(aiohttp_server):
+    """The trainer paused the engine itself: a stream cannot be taken back, so it ends saying why:
+    `response.incomplete` (reason "abort") on /v1/responses, `finish_reason: "abort"` on chat."""
+    fakes = await engines(aiohttp_server, 1)
+    url, _ = await gymproxy_for(aiohttp_server, fakes, access={})
     fakes[0].push(*[Script(content=" ".join(["c"] * 60), chunk_delay=0.05)] * 2)
     async with aiohttp.ClientSession() as session:
 
@@ -338,10 +376,11 @@ async def test_a_stream_an_abort_cuts_ends_saying_why(aiohttp_server):
 
         responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
         chats = asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
-        await asyncio.sleep(0.4)
-        await post(session, url + "/fleet/pause?mode=abort")
+        await fakes[0].scheduler.generating(2)
+        await asyncio.sleep(0.2)
+        await fakes[0].pause("abort")
         streamed, chatted = await asyncio.wait_for(asyncio.gather(responses, chats), 10)
-        await post(session, url + "/fleet/resume")
+        fakes[0].resume()
     last = [line for line in streamed.split(b"\n") if line.startswith(b"data: ")][-1]
     event = orjson.loads(last[6:])
     assert event["type"] == "response.incomplete", event

@@ -256,6 +256,20 @@ class ResponsesStream:
                 self.finish_reason = choice.finish_reason
         return self._take()
 
+    def keep(self) -> None:
+        """What `partial` needs is kept anyway."""
+
+    def partial(self) -> tuple[str, str, int] | None:
+        """The answer text and finished reasoning so far, and the deltas that carried them, for a
+        continuation (`convert.continuation`); None when it cannot be continued: a tool call, a
+        refusal, or reasoning still open."""
+        if self.calls or self.refusal or self.continued:
+            return None
+        content, reasoning = "".join(self.content), "".join(self.reasoning)
+        if reasoning and not content:
+            return None
+        return content, reasoning, len(self.content) + len(self.reasoning)
+
     def _keep(self, delta: Any) -> None:
         """Count what `delta` adds to what this stream keeps: its last events repeat the whole output
         (some ten copies in all, with the final Response), so a reply's size is bounded here."""
@@ -600,6 +614,54 @@ class _ChunkCheck(msgspec.Struct):
 _CHUNK_CHECK = msgspec.json.Decoder(_ChunkCheck)
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: Any = None
+    refusal: Any = None
+
+
+class _DeltaChoice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None
+
+
+class _Deltas(msgspec.Struct):
+    choices: list[_DeltaChoice] = []
+
+
+_DELTAS = msgspec.json.Decoder(_Deltas)
+
+
+class _Kept:
+    """A chat stream's first choice so far: its text, its reasoning, and whether anything else came."""
+
+    __slots__ = ("content", "reasoning", "other")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.other = False  # a tool call, a refusal, or a chunk that does not decode
+
+    def add(self, payload: bytes) -> None:
+        try:
+            chunk = _DELTAS.decode(payload)
+        except msgspec.DecodeError:
+            self.other = True
+            return
+        for choice in chunk.choices:
+            delta = choice.delta
+            if choice.index != 0 or delta is None:
+                continue
+            if delta.content:
+                self.content.append(delta.content)
+            if delta.reasoning or delta.reasoning_content:
+                self.reasoning.append(delta.reasoning or delta.reasoning_content or "")
+            if delta.tool_calls or delta.refusal:
+                self.other = True
+
+
 class ChatStream:
     """vLLM's chat stream relayed to a chat client, frame by frame; reasoning folded when the parser runs.
 
@@ -615,11 +677,25 @@ class ChatStream:
         self.refuse_reasoning = reasoning and not parser
         self.ended = False  # vLLM sent its error chunk: [DONE] is all that may follow
         self.usage: Any = None
+        self.kept: _Kept | None = None  # what `partial` needs, once asked to `keep` it
 
     def start(self) -> bytes:
         return b""
 
+    def keep(self) -> None:
+        """Keep what the stream generates (text, reasoning, whether a tool call began) for `partial`."""
+        self.kept = _Kept()
+
+    def partial(self) -> tuple[str, str, int] | None:
+        """See `ResponsesStream.partial`; None unless `keep` was called before the first payload."""
+        kept = self.kept
+        if kept is None or kept.other or (kept.reasoning and not kept.content):
+            return None
+        return "".join(kept.content), "".join(kept.reasoning), len(kept.content) + len(kept.reasoning)
+
     def payload(self, payload: bytes) -> bytes:
+        if self.kept is not None:
+            self.kept.add(payload)
         checked = _CHUNK_CHECK.decode(payload)
         if checked.usage is not None:
             self.usage = checked.usage

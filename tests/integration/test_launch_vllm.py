@@ -225,7 +225,8 @@ def in_flight(launched: Launched, count: int, *, stream: bool) -> tuple[list[thr
 def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched) -> None:
     """Real vLLM replicas (VLLM_SERVER_DEV_MODE=1, set by gymproxy): keep with streams in flight, a
     version broadcast, resume: every stream completes and names the new version; abort with whole
-    replies in flight: each client gets one whole reply (re-sent after the resume), none aborted."""
+    replies and streams in flight: each client gets one whole reply (re-sent after the resume) and
+    each stream is continued (vLLM's continue_final_message): none is aborted."""
     status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "1"})
     assert status == 200 and [e["status"] for e in body["engines"]] == [200, 200], body
     threads, results = in_flight(launched, 4, stream=True)
@@ -244,6 +245,7 @@ def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched)
     assert [(r[0], r[1]) for r in results] == [(200, "length")] * 4, results  # every stream completed
 
     threads, results = in_flight(launched, 4, stream=False)
+    streams, streamed = in_flight(launched, 2, stream=True)
     time.sleep(1.0)
     status, body = control(launched, "/fleet/pause?mode=abort")
     assert status == 200, body
@@ -251,10 +253,12 @@ def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched)
     time.sleep(0.5)  # "transfer"
     status, body = control(launched, "/fleet/resume")
     assert status == 200, body
-    for thread in threads:
+    for thread in threads + streams:
         thread.join(300)
     assert [r[:2] for r in results] == [(200, "length")] * 4, results  # whole, never "abort"
     assert [r[2] for r in results] == ["3"] * 4, results
+    # The streams were under way: each was continued after the resume, and ended as any other.
+    assert [r[:2] for r in streamed] == [(200, "length")] * 2, streamed
     with urllib.request.urlopen(launched.url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
     assert 'gymproxy_retries_total{reason="abort"}' in text
