@@ -18,8 +18,7 @@ import aiohttp
 import pytest
 
 import gymproxy
-from gymproxy import health
-from gymproxy import build_config, create_app
+from gymproxy import build_config, create_app, health
 from gymproxy.pinning import Signer
 from gymproxy.testing.fake_vllm import FakeVLLM
 
