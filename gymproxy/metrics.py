@@ -152,7 +152,7 @@ def number(value: float) -> str:
 # Gauges whose value for the whole server is the sum of the workers' (each worker has its own
 # connections and slots). Every other gauge is a per-worker fact (a worker's own health checks, its
 # own circuit breaker) and keeps one series per worker, labelled `worker`.
-SUMMED_GAUGES = frozenset({"gymproxy_upstream_inflight"})
+SUMMED_GAUGES = frozenset({"gymproxy_upstream_inflight", "gymproxy_held_requests"})
 SUMMED_KINDS = frozenset({"counter", "histogram", "summary", "untyped"})
 
 

@@ -384,3 +384,34 @@ async def test_without_fleet_control_a_stream_an_abort_cuts_ends_saying_why(aioh
     assert event["type"] == "response.incomplete", event
     assert event["response"]["incomplete_details"] == {"reason": "abort"}
     assert b'"finish_reason":"abort"' in chatted.replace(b" ", b"") and chatted.endswith(b"data: [DONE]\n\n")
+
+
+async def test_the_fleet_routes_are_on_the_admin_port_too(aiohttp_server):
+    """With `access.admin_port`, /health and /metrics move there; the fleet routes are on both ports."""
+    from gymproxy.plugin import admin_app
+
+    fakes = await engines(aiohttp_server, 1)
+    url, proxy = await gymproxy_for(aiohttp_server, fakes, access={"fleet_control": True, "admin_port": 1})
+    admin = await aiohttp_server(admin_app(proxy))
+    async with aiohttp.ClientSession() as session:
+        for root in (url, str(admin.make_url("")).rstrip("/")):
+            async with session.get(root + "/fleet/status") as r:
+                assert r.status == 200 and (await r.json())["paused"] is False
+
+
+async def test_training_mode_token_fields_name_the_weights_too(aiohttp_server):
+    fakes = await engines(aiohttp_server, 1)
+    url, _ = await gymproxy_for(aiohttp_server, fakes, return_token_id_information=True)
+    async with aiohttp.ClientSession() as session:
+        await post(session, url + "/fleet/broadcast/update_weight_version", {"new_version": "11"})
+        for stream in (False, True):
+            async with session.post(url + "/v1/responses", json={"model": "m", "input": "t", "stream": stream}) as r:
+                assert r.headers["X-Weight-Version"] == "11"
+                raw = await r.read()
+            if stream:
+                last = [line for line in raw.split(b"\n") if line.startswith(b"data: ")][-1]
+                response = orjson.loads(last[6:])["response"]
+            else:
+                response = orjson.loads(raw)
+            item = response["output"][-1]
+            assert item["weight_version"] == "11" and item["generation_token_ids"], item
