@@ -56,6 +56,17 @@ async def post(session: aiohttp.ClientSession, url: str, body: Any = None, **kw:
         return r.status, orjson.loads(data) if data else None, r.headers
 
 
+def two_streams(session: aiohttp.ClientSession, url: str) -> tuple[asyncio.Future[bytes], asyncio.Future[bytes]]:
+    """A streamed /v1/responses and a streamed chat turn, under way: their whole bodies, once done."""
+
+    async def read(path: str, body: dict[str, Any]) -> bytes:
+        async with session.post(url + path, json=body) as r:
+            return await r.read()
+
+    responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
+    return responses, asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
+
+
 async def turn(session: aiohttp.ClientSession, url: str, text: str, **kw: Any) -> tuple[int, Any, Any]:
     return await post(session, url + CHAT, chat(text), **kw)
 
@@ -333,13 +344,7 @@ async def test_a_stream_an_abort_cuts_is_continued_once_the_fleet_resumes(aiohtt
     words = " ".join(f"t{i}" for i in range(60))
     fakes[0].push(Script(content=words, chunk_delay=0.02), Script(content=words, chunk_delay=0.02))
     async with aiohttp.ClientSession() as session:
-
-        async def read(path: str, body: dict[str, Any]) -> bytes:
-            async with session.post(url + path, json=body) as r:
-                return await r.read()
-
-        responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
-        chats = asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
+        responses, chats = two_streams(session, url)
         await fakes[0].scheduler.generating(2)
         await asyncio.sleep(0.3)  # some text is out
         await post(session, url + "/fleet/pause?mode=abort")
@@ -367,13 +372,7 @@ async def test_without_fleet_control_a_stream_an_abort_cuts_ends_saying_why(aioh
     url, _ = await gymproxy_for(aiohttp_server, fakes, access={})
     fakes[0].push(*[Script(content=" ".join(["c"] * 60), chunk_delay=0.05)] * 2)
     async with aiohttp.ClientSession() as session:
-
-        async def read(path: str, body: dict[str, Any]) -> bytes:
-            async with session.post(url + path, json=body) as r:
-                return await r.read()
-
-        responses = asyncio.ensure_future(read("/v1/responses", {"model": "m", "input": "r", "stream": True}))
-        chats = asyncio.ensure_future(read(CHAT, chat("c", stream=True)))
+        responses, chats = two_streams(session, url)
         await fakes[0].scheduler.generating(2)
         await asyncio.sleep(0.2)
         await fakes[0].pause("abort")
