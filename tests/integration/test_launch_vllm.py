@@ -183,11 +183,12 @@ def control(launched: Launched, path: str, body: Any = None, method: str = "POST
 
 
 def long_turn(launched: Launched, key: str, *, stream: bool) -> tuple[int, str, str | None]:
-    """A turn that generates 200 tokens (ignore_eos): status, the finish reason (or error), X-Weight-Version."""
+    """A turn that generates 1,500 tokens (ignore_eos: some seconds here): status, the finish reason
+    (or error), X-Weight-Version."""
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 200,
+        "max_tokens": 1500,
         "ignore_eos": True,
         "stream": stream,
     }
@@ -212,6 +213,7 @@ def long_turn(launched: Launched, key: str, *, stream: bool) -> tuple[int, str, 
 
 
 def in_flight(launched: Launched, count: int, *, stream: bool) -> tuple[list[threading.Thread], list[Any]]:
+    """`count` long turns started in threads: the threads, and the list their results go to."""
     results: list[Any] = []
     threads = [
         threading.Thread(target=lambda i=i: results.append(long_turn(launched, f"update-{i}", stream=stream)))
@@ -222,6 +224,17 @@ def in_flight(launched: Launched, count: int, *, stream: bool) -> tuple[list[thr
     return threads, results
 
 
+def generating(launched: Launched, count: int) -> None:
+    """Wait until `count` requests are in flight on the engines, and have generated for a moment."""
+
+    def inflight() -> bool:
+        status, state = control(launched, "/fleet/status", method="GET")
+        return status == 200 and sum(e["inflight"] for e in state["engines"]) >= count
+
+    wait_until(inflight, f"{count} requests in flight", 60, launched.log)
+    time.sleep(0.5)
+
+
 def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched) -> None:
     """Real vLLM replicas (VLLM_SERVER_DEV_MODE=1, set by gymproxy): keep with streams in flight, a
     version broadcast, resume: every stream completes and names the new version; abort with whole
@@ -230,7 +243,7 @@ def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched)
     status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "1"})
     assert status == 200 and [e["status"] for e in body["engines"]] == [200, 200], body
     threads, results = in_flight(launched, 4, stream=True)
-    time.sleep(1.0)  # generating
+    generating(launched, 4)
     status, body = control(launched, "/fleet/pause?mode=keep")
     assert status == 200 and body["paused"], body
     status, body = control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "2"})
@@ -246,7 +259,7 @@ def test_a_weight_update_through_fleet_control_loses_no_turn(launched: Launched)
 
     threads, results = in_flight(launched, 4, stream=False)
     streams, streamed = in_flight(launched, 2, stream=True)
-    time.sleep(1.0)
+    generating(launched, 6)
     status, body = control(launched, "/fleet/pause?mode=abort")
     assert status == 200, body
     control(launched, "/fleet/broadcast/update_weight_version", {"new_version": "3"})
