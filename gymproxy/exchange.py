@@ -422,7 +422,9 @@ class Exchange:
             if not stream:
                 self._limit(reply)
                 if route in WHOLE_REPLIES and reply.content_type == JSON:  # vLLM sends these whole, at the end
-                    sent, payload = await self._unless_aborted(sent, await read(reply), route, data, method)
+                    payload = await read(reply)
+                    if ABORT in payload:
+                        sent, payload = await self._unless_aborted(sent, payload, route, data, method)
                     self.caller.weights = sent.versions()
                     whole = web.Response(body=payload, content_type=JSON)
                     self.caller.stamp(whole)
@@ -479,7 +481,8 @@ class Exchange:
             sent.release()
         if reply.status != 200:
             self._judge(reply.status, payload)
-        sent, payload = await self._unless_aborted(sent, payload, backend.route, data, "POST")
+        if ABORT in payload:
+            sent, payload = await self._unless_aborted(sent, payload, backend.route, data, "POST")
         self.caller.weights = weights = sent.versions()
         ended = time.monotonic()
         chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
@@ -535,19 +538,16 @@ class Exchange:
             if head:
                 await writer.write(head)
             while True:
-                cut: _Cut | None = None
-                async for data in current.reply.iter_any():
-                    for payload in payloads.feed(data):
-                        if cut is not None:
-                            cut.rest.append(payload)  # what vLLM sends after the cut: usage, [DONE]
-                        elif watch and ABORT in payload and (cut := _Cut.of(payload)) is not None:
-                            pass
-                        else:
+                if not watch:
+                    async for data in current.reply.iter_any():
+                        for payload in payloads.feed(data):
                             out.append(feed(payload))
-                    if out:
-                        frames = out[0] if len(out) == 1 else b"".join(out)
-                        out.clear()
-                        await writer.write(frames)
+                        if out:
+                            frames = out[0] if len(out) == 1 else b"".join(out)
+                            out.clear()
+                            await writer.write(frames)
+                    break
+                cut = await _relay_watching(current.reply, payloads, feed, out, writer)
                 if cut is None:
                     break
                 following = await self._continuation(current, backend, translator, cut)
@@ -673,9 +673,7 @@ class Exchange:
         """A whole reply that a pause cut (`finish_reason: "abort"`) is sent again from the start
         once its engine resumes (`retry.abort_resend`); the client sees only the last reply. A reply
         aborted while neither the fleet nor its engine is paused (the trainer's /abort_requests) is
-        the client's answer."""
-        if ABORT not in payload:
-            return sent, payload
+        the client's answer. Called when `ABORT` is in `payload`."""
         fleet = self.fleet
         loop = asyncio.get_running_loop()
         until = loop.time() + self.proxy.config.hold.timeout_s
@@ -855,6 +853,25 @@ def _aborted(payload: bytes) -> bool:
     except (orjson.JSONDecodeError, AttributeError):
         return False
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+
+
+async def _relay_watching(
+    reply: Reply, payloads: _Payloads, feed: Callable[[bytes], bytes], out: list[bytes], writer: SSEWriter
+) -> _Cut | None:
+    """`_translate`'s relay loop, watching for the chunk of a pause's abort: what follows it is kept,
+    not fed (the caller continues the stream, or feeds them). The cut, or None if none came."""
+    cut: _Cut | None = None
+    async for data in reply.iter_any():
+        for payload in payloads.feed(data):
+            if cut is not None:
+                cut.rest.append(payload)  # what vLLM sends after the cut: usage, [DONE]
+            elif ABORT not in payload or (cut := _Cut.of(payload)) is None:
+                out.append(feed(payload))
+        if out:
+            frames = out[0] if len(out) == 1 else b"".join(out)
+            out.clear()
+            await writer.write(frames)
+    return cut
 
 
 class _Cut:

@@ -251,9 +251,8 @@ class Fleet:
         size = len(data) if data is not None else 0
         upstream: Upstream
         pin: str | None
-        held = route in GENERATING  # /v1/models and /tokenize are answered while paused
         while True:
-            if holds.paused and held:
+            if holds.paused and route in GENERATING:  # /v1/models and /tokenize are answered while paused
                 await holds.wait(holds.gate, tries.hold_until, size, "the fleet is paused for a weight update")
             if single:
                 upstream, pin = self.upstreams[0], None

@@ -41,20 +41,17 @@ class Holds:
         self.expired = 0  # held past `hold.timeout_s`
         self.refused = 0  # not held: too many were
         self.released = 0  # released by a resume of the fleet
-        self.gate = asyncio.Event()
+        self.gate = asyncio.Event()  # set while the fleet is not paused
         self.gate.set()
+        self.paused = False  # the fleet is paused (`/fleet/pause`): requests wait before they are sent
         self.mode: str | None = None  # the fleet's pause mode, while paused
         self.since: float | None = None  # time.monotonic() when the fleet was paused
         self.pauses = pauses  # seconds the fleet was paused, by mode
         self.ended: str | None = None  # why nothing is held any more (shutting down)
 
-    @property
-    def paused(self) -> bool:
-        """The fleet is paused (`/fleet/pause`): requests wait before they are sent."""
-        return not self.gate.is_set()
-
     def pause(self, mode: str) -> None:
         if not self.paused:
+            self.paused = True
             self.gate.clear()
             self.since = time.monotonic()
         self.mode = mode
@@ -65,6 +62,7 @@ class Holds:
         if self.since is not None:
             self.pauses.observe(self.mode or "abort", time.monotonic() - self.since)
         self.gate.set()
+        self.paused = False
         self.mode = self.since = None
         self.released += released
         return released
@@ -72,6 +70,7 @@ class Holds:
     def end(self, why: str) -> None:
         """Hold nothing from now on: what is held gets a 503 saying `why` once its event is set."""
         self.ended = why
+        self.paused = False
         self.gate.set()
 
     async def wait(self, event: asyncio.Event, until: float, size: int, what: str) -> None:

@@ -105,6 +105,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
     signer = proxy.fleet.pinner.signer
     clock = time.monotonic
     instance = proxy.instance
+    control = proxy.control is not None  # `X-Min-Weight-Version` is read only with fleet control
 
     # One coroutine around the route: every await of a request passes through each layer.
     async def served(request: web.Request) -> web.StreamResponse:
@@ -124,8 +125,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
                 raise LoopDetected(LOOP)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
-            least = headers.get(MIN_VERSION)
-            if least is not None:
+            if control and (least := headers.get(MIN_VERSION)) is not None:
                 caller.min_version = _min_version(least)
             response = await route(proxy, request, caller)
         except Exception as exc:

@@ -204,7 +204,8 @@ class Sent:
 
     def versions(self) -> str | None:
         """The weight versions its engine had from the send until now (`X-Weight-Version`)."""
-        return self.upstream.versions_since(self.seq)
+        upstream = self.upstream
+        return upstream.version if self.seq == upstream.version_seq else upstream.versions_since(self.seq)
 
     def release(self) -> None:
         self.reply.release()
