@@ -414,3 +414,25 @@ async def test_training_mode_token_fields_name_the_weights_too(aiohttp_server):
                 response = orjson.loads(raw)
             item = response["output"][-1]
             assert item["weight_version"] == "11" and item["generation_token_ids"], item
+
+
+async def test_requests_held_at_shutdown_get_a_503_within_the_grace(aiohttp_server, tmp_path):
+    """`gymproxy serve`, paused, with requests held: SIGTERM ends each with a 503 once the shutdown
+    grace is over (they would have waited `hold.timeout_s`, 300 s), and the process exits."""
+    from .served import Served
+
+    fakes = await engines(aiohttp_server, 1)
+    config = {"base_url": fakes[0].url, "access": {"fleet_control": True}, "shutdown_grace_s": 0.5}
+    async with Served(tmp_path, config) as served:
+        async with aiohttp.ClientSession() as session:
+            await post(session, served.url + "/fleet/pause")
+            held = [asyncio.ensure_future(turn(session, served.url, f"h{i}")) for i in range(3)]
+            async with session.get(served.url + "/fleet/status") as r:
+                assert r.status == 200
+            assert await eventually(lambda: fakes[0].pause_mode == "abort")
+            await asyncio.sleep(0.3)  # the three are held
+            served.terminate()
+            replies = await asyncio.wait_for(asyncio.gather(*held), 10)
+        assert await served.wait(10) == 0
+    assert [r[0] for r in replies] == [503] * 3, replies
+    assert generations(fakes[0]) == 0
