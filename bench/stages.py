@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+import gymproxy.client_stream as client_stream
 import gymproxy.convert.reply as reply
 import gymproxy.convert.stream as stream
 import gymproxy.exchange as exchange
@@ -108,7 +109,7 @@ def install() -> None:
     exchange.ENCODER = _Method("encode (chat body, Response)", exchange.ENCODER.encode)  # type: ignore[assignment]
     reply.COMPLETION_DECODER = _Method("decode the chat completion", reply.COMPLETION_DECODER.decode)  # type: ignore[assignment]
     exchange.to_response = _timed("to_response", exchange.to_response)
-    exchange._Payloads.feed = _timed("stream: SSE decode", exchange._Payloads.feed)  # type: ignore[method-assign]
+    client_stream.Payloads.feed = _timed("stream: SSE decode", client_stream.Payloads.feed)  # type: ignore[method-assign]
     stream.CHUNK_DECODER = _Method("stream: decode a chunk", stream.CHUNK_DECODER.decode)  # type: ignore[assignment]
     rs = stream.ResponsesStream
     rs.start = _timed("stream: ResponsesStream.start", rs.start)  # type: ignore[method-assign]

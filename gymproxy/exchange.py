@@ -28,13 +28,15 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import msgspec
 import orjson
 from aiohttp import web
 
+from .aborts import ABORT, Cut, aborted, relay_watching
+from .client_stream import SSE_HEADERS, ClientGone, Payloads, SSEWriter
 from .convert.boundary import Boundary
 from .convert.completions import (
     CompletionChunks,
@@ -65,7 +67,7 @@ from .pinning import Signer, cookie_header, minted_shape, new_session_id
 from .retry import abort_resend
 from .schemas import ENCODER
 from .schemas.responses import ResponsesRequest
-from .sse import DONE, SSEDecoder, SSEError
+from .sse import SSEError
 from .upstream import Sent, Upstream, read, too_large
 
 if TYPE_CHECKING:
@@ -76,10 +78,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gymproxy")
 
 JSON = "application/json"
-ABORT = b'"abort"'  # in a whole reply a pause cut: its finish_reason
 WHOLE_REPLIES = frozenset({"completions", "chat", "responses"})  # relayed routes whose whole replies may be aborted
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-KEEPALIVE = b": keep-alive\n\n"
 MAX_SESSION_ID = 256  # longer session keys are sent upstream as a digest
 
 # Upstream troubles after the status line: a stream is ended with its terminal error event.
@@ -526,7 +525,7 @@ class Exchange:
         its engine resumes (`convert.continuation`): the new stream's payloads follow in the same
         translator, so the client sees one stream."""
         config = self.proxy.config
-        payloads = _Payloads(backend.adapter(), config.limits.max_reply_size)
+        payloads = Payloads(backend.adapter(), config.limits.max_reply_size)
         feed = translator.payload
         out: list[bytes] = []
         watch = self.proxy.control is not None and backend.route == "chat" and not config.return_token_id_information
@@ -547,7 +546,7 @@ class Exchange:
                             out.clear()
                             await writer.write(frames)
                     break
-                cut = await _relay_watching(current.reply, payloads, feed, out, writer)
+                cut = await relay_watching(current.reply, payloads, feed, out, writer)
                 if cut is None:
                     break
                 following = await self._continuation(current, backend, translator, cut)
@@ -559,7 +558,7 @@ class Exchange:
                 if current is not sent:
                     current.release()
                 current = following
-                payloads = _Payloads(backend.adapter(), config.limits.max_reply_size)
+                payloads = Payloads(backend.adapter(), config.limits.max_reply_size)
             if not (payloads.done or translator.ended):
                 raise UpstreamError("the stream ended without [DONE]")
             tokens = None
@@ -589,7 +588,7 @@ class Exchange:
         # The frames of this read made before the failure go first: their sequence numbers are taken.
         return b"".join(out) + translator.fail(failure)
 
-    async def _continuation(self, cut_off: Sent, backend: Backend, translator: Translator, cut: _Cut) -> Sent | None:
+    async def _continuation(self, cut_off: Sent, backend: Backend, translator: Translator, cut: Cut) -> Sent | None:
         """The stream that continues one a pause cut, once its engine resumes; None when it is not
         continued (see `convert.continuation`), or the engine was not paused (the trainer's
         /abort_requests)."""
@@ -678,7 +677,7 @@ class Exchange:
         loop = asyncio.get_running_loop()
         until = loop.time() + self.proxy.config.hold.timeout_s
         resends = 0
-        while _aborted(payload) and abort_resend(resends, loop.time(), until):
+        while aborted(payload) and abort_resend(resends, loop.time(), until):
             if not await self._resumed_after_abort(sent.upstream, until, len(data or b"")):
                 break
             resends += 1
@@ -759,155 +758,3 @@ class Exchange:
 
     def _first_byte(self) -> None:
         self.proxy.metrics.ttfb.observe(self.caller.route, time.monotonic() - self.caller.start)
-
-
-class _Payloads:
-    """An upstream SSE body's data payloads, `[DONE]` noted, each adapted to a chat chunk if asked;
-    an event over `max_event_size` bytes is an `SSEError`."""
-
-    __slots__ = ("_decoder", "_adapt", "done")
-
-    def __init__(self, adapt: Callable[[bytes], bytes] | None, max_event_size: int) -> None:
-        self._decoder = SSEDecoder(max_event_size)
-        self._adapt = adapt
-        self.done = False
-
-    def feed(self, data: bytes) -> Iterable[bytes]:
-        payloads = self._decoder.feed(data)
-        if DONE in payloads:
-            self.done = True
-            payloads = [payload for payload in payloads if payload != DONE]
-        return payloads if self._adapt is None else map(self._adapt, payloads)
-
-
-class ClientGone(Exception):
-    """The client closed its connection mid-stream."""
-
-
-class SSEWriter:
-    """A prepared event-stream response that sends `: keep-alive` while the upstream is silent.
-
-    Used as `async with`: the keep-alive timer lives exactly as long as the block, so a cancelled
-    handler, a client that left and an upstream that failed all stop it.
-    """
-
-    __slots__ = ("response", "interval", "loop", "last", "_first_byte", "_timer", "_pending")
-
-    def __init__(self, response: web.StreamResponse, interval: float, first_byte: Callable[[], None]) -> None:
-        self.response = response
-        self.interval = interval
-        self.loop = asyncio.get_running_loop()
-        self.last = self.loop.time()
-        self._first_byte: Callable[[], None] | None = first_byte
-        self._timer: asyncio.TimerHandle | None = None
-        self._pending: asyncio.Future[None] | None = None
-
-    async def __aenter__(self) -> SSEWriter:
-        self._timer = self.loop.call_later(self.interval, self._tick)
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
-
-    async def write(self, data: bytes) -> None:
-        self.last = self.loop.time()
-        if self._first_byte is not None:
-            self._first_byte()
-            self._first_byte = None
-        try:
-            await self.response.write(data)
-        except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is one too
-            raise ClientGone from exc
-
-    async def end(self, tail: bytes) -> None:
-        """Write the stream's last frames and end the response; a client that left is no error."""
-        try:
-            await self.write(tail)
-            await self.response.write_eof()
-        except (ClientGone, ConnectionError):
-            pass
-
-    def _tick(self) -> None:
-        idle = self.loop.time() - self.last
-        if idle >= self.interval and (self._pending is None or self._pending.done()):
-            self.last = self.loop.time()
-            self._pending = asyncio.ensure_future(self._keepalive())
-            idle = 0
-        self._timer = self.loop.call_later(self.interval - idle, self._tick)
-
-    async def _keepalive(self) -> None:
-        try:
-            await self.response.write(KEEPALIVE)
-        except (ConnectionError, RuntimeError):
-            pass  # the client is gone; the relay loop finds out on its next write
-
-
-def _aborted(payload: bytes) -> bool:
-    """Whether a whole chat or completions reply was cut by a pause: a choice finished "abort"."""
-    try:
-        choices = orjson.loads(payload).get("choices")
-    except (orjson.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
-
-
-async def _relay_watching(
-    reply: Reply, payloads: _Payloads, feed: Callable[[bytes], bytes], out: list[bytes], writer: SSEWriter
-) -> _Cut | None:
-    """`_translate`'s relay loop, watching for the chunk of a pause's abort: what follows it is kept,
-    not fed (the caller continues the stream, or feeds them). The cut, or None if none came."""
-    cut: _Cut | None = None
-    async for data in reply.iter_any():
-        for payload in payloads.feed(data):
-            if cut is not None:
-                cut.rest.append(payload)  # what vLLM sends after the cut: usage, [DONE]
-            elif ABORT not in payload or (cut := _Cut.of(payload)) is None:
-                out.append(feed(payload))
-        if out:
-            frames = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
-            await writer.write(frames)
-    return cut
-
-
-class _Cut:
-    """A stream's chunk that says a pause cut it (`finish_reason: "abort"`), and what followed it."""
-
-    __slots__ = ("payload", "text", "rest")
-
-    def __init__(self, payload: bytes, text: bytes | None) -> None:
-        self.payload = payload
-        self.text = text  # the chunk without its finish reason, when it carried text too
-        self.rest: list[bytes] = []
-
-    @classmethod
-    def of(cls, payload: bytes) -> _Cut | None:
-        """The cut, if `payload` is vLLM's abort chunk (first choice finished "abort")."""
-        try:
-            chunk = orjson.loads(payload)
-            choice = chunk["choices"][0]
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            return None
-        if not isinstance(choice, dict) or choice.get("finish_reason") != "abort":
-            return None
-        delta = choice.get("delta")
-        text = None
-        if isinstance(delta, dict) and any(delta.get(k) for k in ("content", "reasoning", "reasoning_content")):
-            choice["finish_reason"] = None
-            text = orjson.dumps(chunk)
-        return cls(payload, text)
-
-    def tokens(self) -> int | None:
-        """The tokens it generated, from the usage chunk vLLM sends after it (when asked for)."""
-        for payload in self.rest:
-            try:
-                usage = orjson.loads(payload).get("usage")
-            except (orjson.JSONDecodeError, AttributeError):
-                continue
-            if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
-                return int(usage["completion_tokens"])
-        return None
