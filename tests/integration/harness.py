@@ -32,6 +32,7 @@ from .make_model import MAX_POSITIONS
 
 # The environment of every CPU vLLM server the suites start (gymproxy's `--launch-vllm` replicas too).
 CPU_VLLM_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume and the weight routes, for the fleet-control tests
     # GiB; the default reserves far more than this model needs (512 bytes a token: 32 MiB a sequence)
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # servers share the machine's cores

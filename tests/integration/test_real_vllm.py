@@ -615,3 +615,90 @@ def test_relayed_models_and_tokenize(proxies, vllm):
     proxy.take()
     assert reply.status_code == 200
     assert reply.json()["tokens"] == tokenize_chat(vllm.reasoning.root, body)
+
+
+# --- fleet control for weight updates (vLLM in dev mode: VLLM_SERVER_DEV_MODE=1) -----------------------
+
+
+def _control(proxy: Proxy, path: str, body: Any = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(proxy.root + path, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, dict(json.load(reply))
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(json.load(exc))
+
+
+def _in_flight(proxy: Proxy, count: int, *, stream: bool) -> tuple[list[Any], list[Any]]:
+    """`count` turns of 1,500 tokens (ignore_eos) started in threads: (threads, results); each result
+    is (finish_reason, X-Weight-Version)."""
+    import threading
+
+    results: list[Any] = []
+
+    def turn(i: int) -> None:
+        with proxy.client() as client:
+            kwargs: dict[str, Any] = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": f"hi {i}"}],
+                "max_tokens": 1500,
+                "extra_body": {"ignore_eos": True},
+            }
+            if stream:
+                finish = None
+                for chunk in client.chat.completions.create(stream=True, **kwargs):
+                    finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+                results.append((finish, None))
+            else:
+                raw = client.chat.completions.with_raw_response.create(**kwargs)
+                results.append((raw.parse().choices[0].finish_reason, raw.headers.get("x-weight-version")))
+
+    threads = [threading.Thread(target=turn, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def _generating(proxy: Proxy, count: int) -> None:
+    import time
+
+    for _ in range(600):
+        status, state = _control(proxy, "/fleet/status", method="GET")
+        if status == 200 and sum(e["inflight"] for e in state["engines"]) >= count:
+            time.sleep(0.5)  # and some tokens are out
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{count} requests were never in flight")
+
+
+def test_a_weight_update_of_a_real_vllm_through_fleet_control(proxies, vllm):
+    """keep with streams in flight, a version broadcast, resume: every stream completes and the
+    status and replies show the new version; abort with whole replies in flight: each client gets one
+    whole reply (sent again after the resume), never the aborted one."""
+    proxy = proxies.get("fleet", [("plain", vllm.plain)], access={"fleet_control": True})
+    status, body = _control(proxy, "/fleet/broadcast/update_weight_version", {"new_version": "6"})
+    assert status == 200 and body["engines"][0]["body"] == {"success": True, "new_version": "6"}, body
+    threads, results = _in_flight(proxy, 2, stream=True)
+    _generating(proxy, 2)
+    status, body = _control(proxy, "/fleet/pause?mode=keep")
+    assert status == 200 and body["paused"], body
+    assert _control(proxy, "/fleet/broadcast/update_weight_version", {"new_version": "7"})[0] == 200
+    status, state = _control(proxy, "/fleet/status", method="GET")
+    assert state["paused"] and state["engines"][0]["paused"] is True, state
+    assert state["weight_version"] == state["engines"][0]["weight_version"] == "7", state
+    assert _control(proxy, "/fleet/resume")[0] == 200
+    for thread in threads:
+        thread.join(300)
+    assert [r[0] for r in results] == ["length", "length"], results
+
+    threads, results = _in_flight(proxy, 2, stream=False)
+    _generating(proxy, 2)
+    assert _control(proxy, "/fleet/pause?mode=abort")[0] == 200
+    assert _control(proxy, "/fleet/broadcast/update_weight_version", {"new_version": "8"})[0] == 200
+    assert _control(proxy, "/fleet/resume")[0] == 200
+    for thread in threads:
+        thread.join(300)
+    assert results == [("length", "8"), ("length", "8")], results
+    status, state = _control(proxy, "/fleet/status", method="GET")
+    assert not state["paused"] and state["engines"][0]["weight_version"] == "8", state
