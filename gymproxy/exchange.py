@@ -425,7 +425,7 @@ class Exchange:
                     if ABORT in payload:
                         sent, payload = await self._unless_aborted(sent, payload, route, data, method)
                     self.caller.weights = sent.versions()
-                    whole = web.Response(body=payload, content_type=JSON)
+                    whole = web.Response(status=sent.reply.status, body=payload, content_type=JSON)
                     self.caller.stamp(whole)
                     return whole
             response = web.StreamResponse(status=reply.status)
