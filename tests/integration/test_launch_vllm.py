@@ -142,6 +142,7 @@ class Launched:
     def kill_all(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
+            self.process.wait(30)  # reaped: a Popen left running warns when collected, in a later test
         for pid in self.leftovers():
             os.kill(pid, signal.SIGKILL)
 
@@ -183,12 +184,12 @@ def control(launched: Launched, path: str, body: Any = None, method: str = "POST
 
 
 def long_turn(launched: Launched, key: str, *, stream: bool) -> tuple[int, str, str | None]:
-    """A turn that generates 1,500 tokens (ignore_eos: some seconds here): status, the finish reason
-    (or error), X-Weight-Version."""
+    """A turn that generates 3,000 tokens (ignore_eos: several seconds here, so that a pause finds it
+    in flight): status, the finish reason (or error), X-Weight-Version."""
     body = {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 1500,
+        "max_tokens": 3000,
         "ignore_eos": True,
         "stream": stream,
     }
@@ -227,9 +228,8 @@ def in_flight(launched: Launched, count: int, *, stream: bool) -> tuple[list[thr
 def generating(launched: Launched, count: int) -> None:
     """Wait until `count` requests are in flight on the engines, and have generated for a moment."""
 
-    def inflight() -> bool:
-        status, state = control(launched, "/fleet/status", method="GET")
-        return status == 200 and sum(e["inflight"] for e in state["engines"]) >= count
+    def inflight() -> bool:  # /health: the fleet's own counts, no engine asked (fast under load)
+        return sum(u["inflight"] for u in launched.health().get("upstreams", [])) >= count
 
     wait_until(inflight, f"{count} requests in flight", 60, launched.log)
     time.sleep(0.5)
