@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from . import __version__, launch, server
-from .config import STAND_IN_HOST, Config, ConfigError, load_config, upstream_specs
+from .config import STAND_IN_HOST, Config, ConfigError, is_loopback, load_config, upstream_specs
 from .peers import Peers
 from .proxy import INSTANCE_ENV
 from .upstream import shown
@@ -278,6 +278,11 @@ def _load(args: argparse.Namespace) -> Config:
     if args.upstream:
         extra["base_url"] = args.upstream
     elif args.config is None and not args.launch_vllm:
+        if args.host is not None and not is_loopback(args.host):
+            raise ConfigError(
+                f"--host {args.host}: with no upstream gymproxy serves its bundled fake vLLM (a demo), and only on "
+                "a loopback host; give the upstream (--upstream URL, or --config FILE with base_url or upstreams)"
+            )
         port = _free_port()
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]

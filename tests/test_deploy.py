@@ -18,7 +18,11 @@ def documents(name: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all((DEPLOY / name).read_text()) if doc is not None]
 
 
-@pytest.mark.parametrize("name", ["k8s-sidecar.yaml", "k8s-fleet.yaml"])
+MANIFESTS = ["k8s-sidecar.yaml", "k8s-fleet.yaml", "k8s-launch.yaml"]
+KUBERNETES = "1.30.0"  # the schemas the manifests are checked against
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
 def test_kubernetes_examples(name: str) -> None:
     docs = documents(name)
     for doc in docs:
@@ -27,7 +31,11 @@ def test_kubernetes_examples(name: str) -> None:
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     for config_map in config_maps:
         # The embedded gymproxy config is a real, valid config.
-        config = build_config(yaml.safe_load(config_map["data"]["gymproxy.yaml"]), environ={})
+        raw = yaml.safe_load(config_map["data"]["gymproxy.yaml"])
+        if "launch" in raw:  # planned, not started: `vllm` is not on this machine
+            assert raw["launch"]["model"] and raw["launch"]["replicas"] >= 1
+            raw = {k: v for k, v in raw.items() if k != "launch"} | {"base_url": "http://127.0.0.1:1/v1"}
+        config = build_config(raw, environ={})
         assert config.access.admin_port == 9000
     template = deployment["spec"]["template"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
@@ -35,12 +43,31 @@ def test_kubernetes_examples(name: str) -> None:
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     (proxy,) = [c for c in template["spec"]["containers"] if c["name"] == "gymproxy"]
     assert proxy["args"][0] == "serve" and proxy["image"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert proxy[probe]["httpGet"]["path"] == "/health"
+    # Readiness is /health (503 while no upstream is up); liveness /livez: a sidecar whose vLLM loads
+    # for minutes, or a fleet with every engine down, must not get gymproxy restarted.
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/livez"
+    if "startupProbe" in proxy:
+        assert proxy["startupProbe"]["httpGet"]["path"] == "/livez"
     mounts = {m["name"] for m in proxy["volumeMounts"]}
     assert mounts <= {v["name"] for v in template["spec"]["volumes"]}
     secret = [e for e in proxy["env"] if e["name"] == "GYMPROXY_PIN_SECRET"]
     assert secret, "replicas and workers need one shared pin secret"
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_kubernetes_examples_match_the_kubernetes_schemas(name: str) -> None:
+    """Every document validates against the Kubernetes API's own schemas (`kubernetes-validate`)."""
+    validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the test extra)")
+    for doc in documents(name):
+        validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_a_launch_manifest_waits_for_its_replicas_to_load() -> None:
+    (deployment,) = [d for d in documents("k8s-launch.yaml") if d["kind"] == "Deployment"]
+    (proxy,) = deployment["spec"]["template"]["spec"]["containers"]
+    startup = proxy["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # big models load for minutes
 
 
 def test_sidecar_reaches_vllm_on_localhost() -> None:
@@ -76,4 +103,21 @@ def test_dockerfile() -> None:
                 assert (ROOT / source).exists(), source
     assert any(line.startswith("USER ") and "root" not in line for line in lines)
     assert 'ENTRYPOINT ["gymproxy"]' in lines
-    assert any(line.startswith("HEALTHCHECK") and "/health" in line for line in lines)
+    assert any(line.startswith("HEALTHCHECK") and "/livez" in line for line in lines)  # liveness, not readiness
+    assert 'CMD ["serve", "--config", "/etc/gymproxy/gymproxy.yaml"]' in lines  # never the demo on 0.0.0.0
+
+
+def test_the_demo_refuses_a_public_host(tmp_path: Path) -> None:
+    """With no upstream, `gymproxy serve` runs its bundled fake vLLM: only on a loopback host."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "gymproxy", "serve", "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 2 and "only on a loopback host" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
