@@ -701,7 +701,10 @@ class Exchange:
 
     def _count_usage(self, sent: Sent, usage: Any, ended: float) -> None:
         """Prompt tokens, and those vLLM served from its prefix cache (`--enable-prompt-tokens-details`);
-        the reply's time per generated token (it ended at `ended`) feeds the upstream's pace."""
+        the reply's time per generated token (it ended at `ended`) feeds the upstream's pace; and
+        the reply's time at its upstream, usage or not."""
+        metrics = self.proxy.metrics
+        metrics.upstream_duration.observe(sent.upstream.name, ended - sent.started)
         if usage is None:
             return
         if isinstance(usage, dict):
@@ -715,7 +718,7 @@ class Exchange:
         upstream = sent.upstream
         if type(generated) is int and generated > 0:
             upstream.meter.observe(ended - sent.started, generated)
-        metrics = self.proxy.metrics
+            metrics.completion_tokens[upstream.name] += generated
         if type(prompt) is int and prompt > 0:
             metrics.prompt_tokens[upstream.name] += prompt
         if type(cached) is int and cached > 0:

@@ -579,6 +579,16 @@ class Fleet:
             lambda: [(label(upstream=u.name), u.breaker.state) for u in self.upstreams],
         )
         yield (
+            "gymproxy_upstream_breaker_state",
+            "gauge",
+            "The upstream's circuit breaker state: 1 on its state's series (closed, open, half-open), 0 on the others.",
+            lambda: [
+                (label(upstream=u.name, state=name), int(u.breaker.state == state))
+                for u in self.upstreams
+                for state, name in BREAKER.items()
+            ],
+        )
+        yield (
             "gymproxy_upstream_breaker_opened_total",
             "counter",
             "Times the upstream's circuit breaker opened.",

@@ -9,8 +9,17 @@ path. `merge` folds the texts of the workers of one `gymproxy serve --workers N`
 from __future__ import annotations
 
 import bisect
+import platform
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.process_collector import ProcessCollector
+
+from . import __version__
+
+_PROCESS = CollectorRegistry(auto_describe=True)  # the process's own: one per process, not per app
+ProcessCollector(registry=_PROCESS)
 
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PAUSE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -56,6 +65,8 @@ class Metrics:
         # From the upstream replies' `usage`, by upstream; cached/prompt is its prefix-cache hit rate.
         self.prompt_tokens: defaultdict[str, int] = defaultdict(int)
         self.cached_prompt_tokens: defaultdict[str, int] = defaultdict(int)
+        self.completion_tokens: defaultdict[str, int] = defaultdict(int)
+        self.upstream_duration = Histogram(DURATION_BUCKETS)  # a reply's time at its upstream, by upstream
         self.pauses = Histogram(PAUSE_BUCKETS)  # seconds the fleet was paused (`/fleet/pause`), by mode
         self.by_version: dict[str, int] = {}  # replies, by the weight version that sampled them
 
@@ -94,6 +105,21 @@ class Metrics:
             "Of those, served from vLLM's prefix cache (usage.prompt_tokens_details.cached_tokens).",
             self.cached_prompt_tokens,
         )
+        lines += _by_upstream(
+            "gymproxy_upstream_completion_tokens_total",
+            "Generated tokens of the replies read, by upstream (usage.completion_tokens): its rate is tokens/s.",
+            self.completion_tokens,
+        )
+        lines += self.upstream_duration.render(
+            "gymproxy_upstream_duration_seconds",
+            "Time from sending a request upstream to the end of its reply, by upstream (converted routes).",
+            "upstream",
+        )
+        lines += [
+            "# HELP gymproxy_build_info gymproxy's version and Python's (always 1).",
+            "# TYPE gymproxy_build_info gauge",
+            f'gymproxy_build_info{{version="{__version__}",python="{platform.python_version()}"}} 1',
+        ]
         lines += [
             "# HELP gymproxy_context_overflows_total vLLM context-length 400s seen.",
             "# TYPE gymproxy_context_overflows_total counter",
@@ -117,7 +143,12 @@ class Metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for label, value in values():
                 lines.append(f"{name}{label} {number(value)}")
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + process_metrics()
+
+
+def process_metrics() -> str:
+    """prometheus_client's `process_*` series (CPU seconds, memory, open files, start time) of this process."""
+    return generate_latest(_PROCESS).decode()
 
 
 def _counter(name: str, help_text: str, labels: tuple[str, str], values: dict[tuple[str, int], int]) -> list[str]:

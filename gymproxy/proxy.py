@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -26,9 +26,9 @@ from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_spec
 from .control import Control
 from .convert import boundary, completions
 from .convert.request import RequestReader
-from .fleet import Change, Fleet
+from .fleet import Change, Fleet, Gauge
 from .http1 import Aborted
-from .metrics import Metrics
+from .metrics import Metrics, label
 from .overlay import Changes, Overlay
 from .peers import Peers
 from .templates import ChatTemplate
@@ -91,6 +91,7 @@ class Proxy:
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
         self.control = Control(self.fleet, config) if config.access.fleet_control else None  # /fleet/*
+        self.connections: Callable[[], int] | None = None  # open client connections (`gymproxy serve`'s listener)
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
@@ -234,7 +235,26 @@ class Proxy:
 
     def render_metrics(self) -> str:
         """This process's own `/metrics` text."""
-        return self.metrics.render(self.fleet.gauges())
+        return self.metrics.render([*self.fleet.gauges(), *self._gauges()])
+
+    def _gauges(self) -> Iterable[Gauge]:
+        """The listener's and the launched replicas' series, where this process has them."""
+        connections, replicas = self.connections, self.replicas
+        if connections is not None:
+            yield ("gymproxy_client_connections", "gauge", "Open client connections.", lambda: [("", connections())])
+        if replicas is not None:
+            yield (
+                "gymproxy_replica_ready",
+                "gauge",
+                "1 while the launched vLLM replica serves, by replica (its state: /health's replicas).",
+                lambda: [(label(replica=r["name"]), int(r["state"] == "ready")) for r in replicas()],
+            )
+            yield (
+                "gymproxy_replica_starts_total",
+                "counter",
+                "Times the launched vLLM replica was started (restarts are the starts after the first).",
+                lambda: [(label(replica=r["name"]), r["starts"]) for r in replicas()],
+            )
 
     async def close(self) -> None:
         self.fleet.stop()

@@ -308,6 +308,11 @@ def test_a_replica_that_crashes_is_restarted_and_takes_new_sessions_only(
     status, kept = gym.chat(moved)
     assert status == 200 and kept is None
     assert any(pinned_to(gym.chat()[1]) == "vllm-0" for _ in range(40))
+    # /metrics says the same: both ready, vllm-0 started twice.
+    with urllib.request.urlopen(gym.url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert 'gymproxy_replica_ready{replica="vllm-0"} 1' in text and 'gymproxy_replica_ready{replica="vllm-1"} 1' in text
+    assert 'gymproxy_replica_starts_total{replica="vllm-0"} 2' in text
     assert gym.stop() == 0
     assert not [pid for pid in gym.pids() if alive(pid)]
 

@@ -101,3 +101,28 @@ async def test_peers_merge_their_siblings_and_skip_a_stuck_one(tmp_path: Path):
     assert merged[("gymproxy_metrics_workers_missing", ())] == 1
     assert merged[("gymproxy_metrics_worker_up", (("worker", "2"),))] == 0
     assert not Path(one.path(1)).exists()
+
+
+async def test_the_operators_series_are_scraped_from_gymproxy_serve(fake_vllm, tmp_path):
+    """`gymproxy serve`'s /metrics has what a dashboard needs beside the request counts: generated
+    tokens (tokens/s) and reply time by upstream, the breaker as a labelled state, open client
+    connections, build info and the process's own `process_*` series; and it all parses."""
+    import aiohttp
+
+    from .served import Served
+
+    async with Served(tmp_path, {"base_url": fake_vllm.url}) as served:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(served.url + "/v1/responses", json={"model": "m", "input": "hi there"}) as r:
+                assert r.status == 200
+            async with session.get(served.url + "/metrics") as r:
+                text = await r.text()
+    samples = _samples(text)
+    name = fake_vllm.url
+    assert samples[("gymproxy_upstream_completion_tokens_total", (("upstream", name),))] > 0
+    assert samples[("gymproxy_upstream_duration_seconds_count", (("upstream", name),))] == 1
+    assert samples[("gymproxy_upstream_breaker_state", (("state", "closed"), ("upstream", name)))] == 1
+    assert samples[("gymproxy_upstream_breaker_state", (("state", "open"), ("upstream", name)))] == 0
+    assert samples[("gymproxy_client_connections", ())] >= 1  # this scrape's own connection
+    assert any(key[0] == "gymproxy_build_info" and dict(key[1])["version"] for key in samples)
+    assert samples[("process_cpu_seconds_total", ())] > 0 and samples[("process_open_fds", ())] > 0
