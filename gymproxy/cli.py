@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from . import __version__, launch, server
+from . import __version__, launch, logs, server
 from .config import STAND_IN_HOST, Config, ConfigError, is_loopback, load_config, upstream_specs
 from .peers import Peers
 from .proxy import INSTANCE_ENV
@@ -33,7 +33,7 @@ TICK_S = 0.2  # how often the parent of `--workers N` looks at its workers (and 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(getattr(args, "log_level", None) or "info", getattr(args, "log_format", None) or "text")
     if args.command == "fake-vllm":
         from .testing.fake_vllm import run
 
@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             given = ", ".join(f"${{{name}}} ({where})" for name, where in sorted(args._unresolved.items()))
             print(f"given at serve time (--set or the environment): {given}")
         return
+    logs.configure(config.log_level, config.log_format)
     fake_port = getattr(args, "_fake_port", None)
     workers = args.workers or config.num_workers or 1
     if fake_port is not None:
@@ -244,7 +245,7 @@ def _run_worker(
 ) -> None:
     # A SIGHUP before the loop handles it must not end the worker (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(config.log_level, config.log_format, worker=index)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops workers with SIGTERM
     peers = Peers(runtime, index, workers, restarts=restarts)
     server.run(
@@ -272,6 +273,7 @@ def _load(args: argparse.Namespace) -> Config:
         args._unresolved = None if args.strict else {}
         return load_config(args.file, overrides=overrides, server=args.server, unresolved=args._unresolved)
     extra: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model, "api_key": args.api_key}
+    extra |= {"log_level": args.log_level, "log_format": args.log_format, "access_log": args.access_log or None}
     launched = _launch_flags(args)
     if launched:
         extra["launch"] = launched
@@ -359,6 +361,9 @@ def _parser() -> argparse.ArgumentParser:
         "--gpus-per-replica", type=int, help="GPUs per replica (default: its parallel sizes; 0: a CPU vLLM)"
     )
     serve.add_argument("--vllm-bin", help="the vllm executable (default: `vllm` on PATH)")
+    serve.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info (log_level)")
+    serve.add_argument("--log-format", choices=("text", "json"), help="text or json, one object a line (log_format)")
+    serve.add_argument("--access-log", action="store_true", help="one line per request (access_log)")
     serve.add_argument("--vllm-log-dir", help="write each replica's output to DIR/vllm-<i>.log, not to this log")
 
     check = commands.add_parser("check-config", help="validate a config file and exit")

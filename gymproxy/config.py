@@ -398,7 +398,9 @@ class Config(Settings, frozen=True, kw_only=True):
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
     # A `: keep-alive` comment is sent on a stream after this much upstream silence.
     stream_keepalive_s: Seconds = 15.0
-    access_log: bool = False
+    access_log: bool = False  # one line per request (gymproxy.access): duration, status, ids, upstream, tokens
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one object a line, with the access line's fields
     access: Access = Access()
     limits: Limits = Limits()
     # On SIGTERM: stop accepting, let in-flight requests and streams finish for this long.

@@ -106,6 +106,11 @@ class Caller:
         "start",
         "min_version",
         "weights",
+        "upstream",
+        "model",
+        "prompt_tokens",
+        "completion_tokens",
+        "outcome",
         "_pinning",
         "_signer",
         "_sid",
@@ -130,6 +135,13 @@ class Caller:
         self.start = start  # time.monotonic() when the request arrived
         self.min_version: str | None = None  # `X-Min-Weight-Version`: held until its engine has it
         self.weights: str | None = None  # `X-Weight-Version`: what sampled the reply, once known
+        # For the access line (`logs.access`): where it went, the model asked for, its tokens, and
+        # what became of it when not its status alone (overflow, local, failed, client_gone).
+        self.upstream: str | None = None
+        self.model: str | None = None
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.outcome: str | None = None
         self._pinning = pinning
         self._signer = signer
         self._sid: str | None = None
@@ -394,6 +406,7 @@ class Exchange:
                 return await self._stream(backend, answer, data)
             return await self._whole(backend, answer, data)
         except AnswerLocally as local:
+            self.caller.outcome = "overflow" if isinstance(local, ContextOverflow) else "local"
             return await self._answer_locally(answer, local.finish_reason, stream=stream)
 
     async def relay(
@@ -568,6 +581,7 @@ class Exchange:
             return b"".join(out) + translator.finish(tokens)
         except ClientGone:
             current.close()
+            self.caller.outcome = "client_gone"
             return None
         except Aborted as exc:  # the shutdown's grace is over
             failure = str(exc)
@@ -585,6 +599,7 @@ class Exchange:
             if current is not sent:
                 current.release()
         current.close()
+        self.caller.outcome = "failed"
         # The frames of this read made before the failure go first: their sequence numbers are taken.
         return b"".join(out) + translator.fail(failure)
 
@@ -664,6 +679,7 @@ class Exchange:
         )
         if sent.pin is not None:
             caller.pin = sent.pin
+        caller.upstream = sent.upstream.name
         return sent
 
     async def _unless_aborted(
@@ -719,7 +735,9 @@ class Exchange:
         if type(generated) is int and generated > 0:
             upstream.meter.observe(ended - sent.started, generated)
             metrics.completion_tokens[upstream.name] += generated
+            self.caller.completion_tokens = generated
         if type(prompt) is int and prompt > 0:
+            self.caller.prompt_tokens = prompt
             metrics.prompt_tokens[upstream.name] += prompt
         if type(cached) is int and cached > 0:
             metrics.cached_prompt_tokens[upstream.name] += cached

@@ -43,6 +43,9 @@ from .config import Config, ConfigError, Launch, UpstreamSpec
 log = logging.getLogger("gymproxy")
 
 REPLICA_ENV = "GYMPROXY_REPLICA"  # each replica's index, for wrapper scripts
+# vLLM's access lines for gymproxy's own polls (health checks, pause and weight questions): kept out of
+# the log below debug, where an idle replica wrote 24 a minute.
+OWN_POLLS = re.compile(r'"GET /(?:health|is_paused|weight_info|v1/models) HTTP/1\.[01]" (?:200|401)')
 KEY_ENV = "VLLM_API_KEY"  # vLLM's API key from the environment (`--api-key` wins over it)
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # `access.fleet_control` sets it to 1 for every replica
 # Not passed on to replicas: a client's key of OpenAI's API (vLLM uses none). HF_TOKEN is kept: vLLM
@@ -816,9 +819,10 @@ class Launcher:
         if replica.state == "starting":
             replica.state = "loading"
         replica.tail.extend(text for text in map(shown_line, lines[-TAIL_LINES:]) if text.strip())
+        quiet = not log.isEnabledFor(logging.DEBUG)
         for raw in lines[: budget.take(len(lines))]:
             text = shown_line(raw)
-            if text.strip():
+            if text.strip() and not (quiet and OWN_POLLS.search(text)):
                 log.info("[%s] %s", replica.name, text)
         if budget.dropped and budget.since_report() >= DROPPED_REPORT_S:
             self._report_dropped(replica, budget)

@@ -35,7 +35,7 @@ import msgspec
 import orjson
 from aiohttp import streams, web
 
-from . import messages, overlay
+from . import logs, messages, overlay
 from .config import BadUpstream, Config, UpstreamSpec, check_upstream
 from .control import PAUSE_MODES, ROUTES, Control, Outcome
 from .convert.request import to_chat_body
@@ -106,6 +106,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
     clock = time.monotonic
     instance = proxy.instance
     control = proxy.control is not None  # `X-Min-Weight-Version` is read only with fleet control
+    access_log = proxy.config.access_log
 
     # One coroutine around the route: every await of a request passes through each layer.
     async def served(request: web.Request) -> web.StreamResponse:
@@ -134,8 +135,11 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             caller.stamp(response)  # errors of a new session carry its cookie too
         if caller.weights is not None:
             metrics.count_version(caller.weights)
-        metrics.requests[(path, response.status)] += 1
-        metrics.duration.observe(path, clock() - start)
+        status, seconds = response.status, clock() - start
+        metrics.requests[(path, status)] += 1
+        metrics.duration.observe(path, seconds)
+        if access_log:
+            _access(request, caller, status, seconds)
         return response
 
     served.__name__ = route.__name__
@@ -153,7 +157,8 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     _add_user(caller, req.user, config)
     stream = req.stream is True
     kept = config.limits.max_reply_size // KEPT_SHARE
-    answer = ResponsesAnswer(req, config.model or req.model, parser=config.uses_reasoning_parser, max_text=kept)
+    caller.model = config.model or req.model
+    answer = ResponsesAnswer(req, caller.model, parser=config.uses_reasoning_parser, max_text=kept)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
         backend: Backend = CompletionsBackend(
@@ -175,6 +180,7 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
     _add_user(caller, body.get("user"), config)
     stream = body.get("stream") is True
     model = config.model if config.model is not None else body.get("model")
+    caller.model = model if isinstance(model, str) else None
     answer = ChatAnswer(model, parser=config.uses_reasoning_parser)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
@@ -618,6 +624,26 @@ def _authorized(request: web.Request, keys: list[bytes], key_header: str | None 
         for key in keys:  # every key is compared, in constant time, so timing tells nothing
             ok |= hmac.compare_digest(candidate, key)
     return ok
+
+
+def _access(request: web.Request, caller: Caller, status: int, seconds: float) -> None:
+    """The request's access line (`logs.access`)."""
+    outcome = caller.outcome or ("ok" if status < 400 else "error")
+    logs.access(
+        {
+            "request_id": caller.request_id,
+            "method": request.method,
+            "route": caller.route,
+            "status": status,
+            "duration_ms": round(seconds * 1000, 1),
+            "upstream": caller.upstream,
+            "session": caller.session_id() if caller.upstream is not None else None,
+            "model": caller.model,
+            "prompt_tokens": caller.prompt_tokens,
+            "completion_tokens": caller.completion_tokens,
+            "outcome": outcome,
+        }
+    )
 
 
 def _min_version(value: str) -> str:

@@ -146,8 +146,8 @@ async def _serve_app(
         follow(launcher, proxy)
     elif replicas is not None:
         app.cleanup_ctx.append(follow_file(replicas, proxy))
-    access_log = logging.getLogger("aiohttp.access") if config.access_log else None
-    runner = _runner(app, config, access_log, config.shutdown_grace_s + BACKSTOP_S)
+    # `access_log`'s lines are gymproxy's own (`logs.access`, with the request's upstream and tokens).
+    runner = _runner(app, config, None, config.shutdown_grace_s + BACKSTOP_S)
     await runner.setup()
     assert runner.server is not None
     timeout = config.limits.client_header_timeout
