@@ -342,3 +342,14 @@ class Gymproxy:
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc)
+
+
+def json_call(url: str, body: Any = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+    """One JSON request (gymproxy's /fleet routes, /health): its status and JSON body, errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, dict(json.load(reply))
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(json.load(exc))

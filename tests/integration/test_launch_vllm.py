@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from .conftest import Paths
-from .harness import CPU_VLLM_ENV, MAX_MODEL_LEN, MODEL_NAME, free_port, tail
+from .harness import CPU_VLLM_ENV, MAX_MODEL_LEN, MODEL_NAME, free_port, json_call, tail
 from .make_model import ANSWER_TEXT
 
 START_S = 600.0  # both replicas load in about a minute on two busy cores
@@ -174,13 +174,7 @@ def test_launched_replicas_serve_responses_and_chat(launched: Launched) -> None:
 
 
 def control(launched: Launched, path: str, body: Any = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(launched.url + path, data, {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, dict(json.load(reply))
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(json.load(exc))
+    return json_call(launched.url + path, body, method)
 
 
 def long_turn(launched: Launched, key: str, *, stream: bool) -> tuple[int, str, str | None]:

@@ -20,7 +20,7 @@ import pytest
 from gymproxy.pinning import Signer
 
 from .conftest import Proxy, ProxyFactory, Servers
-from .harness import MAX_MODEL_LEN, MODEL_NAME, Exchange
+from .harness import MAX_MODEL_LEN, MODEL_NAME, Exchange, json_call
 from .make_model import ANSWER_TEXT, REASONING_TEXT, TOOL_ARGUMENTS, TOOL_NAME
 
 CONTENT = "\n\n" + ANSWER_TEXT  # what vLLM's reasoning parser leaves as content
@@ -621,13 +621,7 @@ def test_relayed_models_and_tokenize(proxies, vllm):
 
 
 def _control(proxy: Proxy, path: str, body: Any = None, method: str = "POST") -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(proxy.root + path, data, {"Content-Type": "application/json"}, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, dict(json.load(reply))
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(json.load(exc))
+    return json_call(proxy.root + path, body, method)
 
 
 def _in_flight(proxy: Proxy, count: int, *, stream: bool) -> tuple[list[Any], list[Any]]:
