@@ -1,0 +1,69 @@
+"""What capture records: one `Call` per model call, and a rollout as a store gives it back.
+
+A call is written twice: when it starts (`outcome` "in_flight", no tokens yet) and when it ends,
+under the same `call_id`. The store numbers a rollout's calls in the order their starts reach it
+(`seq`, from 1). A rollout is "open" until it is frozen; a frozen rollout never changes again: a
+call that starts after the freeze is refused (and counted in `refused`), and the end of a call
+that was in flight at the freeze is dropped, so the snapshot keeps it "in_flight".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+Outcome = Literal["in_flight", "ok", "error", "cut", "overflow"]
+State = Literal["open", "frozen"]
+
+FAILED: Final = frozenset({"in_flight", "error", "cut"})  # a rollout holding one is not complete
+
+
+class Call(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model call of a rollout, as recorded."""
+
+    rollout_id: str
+    call_id: str  # unique (ids.hex32()); the start and the end of a call share it
+    route: str  # "responses", "chat" or "messages": the client's API
+    stream: bool = False
+    started: float  # unix time the call arrived
+    seq: int = 0  # given by the store (1, 2, ...); 0 until stored
+    ended: float | None = None  # unix time the client's answer ended
+    outcome: Outcome = "in_flight"
+    upstream: str | None = None  # the fleet's name of the engine
+    weight_version: str | None = None  # as X-Weight-Version says it (comma-separated when it changed)
+    finish_reason: str | None = None
+    error: str | None = None  # what went wrong, when outcome is "error" or "cut"
+    usage: dict[str, Any] | None = None  # vLLM's usage object
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+    generation_log_probs: list[float] | None = None
+    request: dict[str, Any] | None = None  # `capture.record_requests`: messages and tools as sent to vLLM
+
+
+class Rollout(msgspec.Struct, kw_only=True):
+    """A rollout as a store gives it back: its calls in `seq` order."""
+
+    rollout_id: str
+    state: State = "open"
+    created: float  # unix time of its first call's start
+    updated: float  # unix time of its last write
+    frozen_at: float | None = None
+    refused: int = 0  # calls refused because it was frozen
+    calls: list[Call] = []
+
+    @property
+    def complete(self) -> bool:
+        """No call failed, was cut or is still in flight."""
+        return all(call.outcome not in FAILED for call in self.calls)
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """A rollout in a listing: no calls."""
+
+    rollout_id: str
+    state: State
+    created: float
+    updated: float
+    calls: int
+    complete: bool
