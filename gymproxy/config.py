@@ -228,6 +228,26 @@ class FleetControl(Settings, frozen=True, kw_only=True):
     max_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024  # each engine's answer kept
 
 
+class Capture(Settings, frozen=True, kw_only=True):
+    """Rollout capture (`rollouts/`): every model call that carries a rollout id recorded with the
+    token ids and log probs vLLM sampled, readable at /v1/rollouts (behind the key, like /fleet/*)."""
+
+    enabled: bool = False
+    # `sqlite:///PATH` (the embedded store: a file, relative to the working directory) or
+    # `redis://HOST:PORT/DB` (shared by `--workers` and replicas; `pip install gymproxy[redis]`).
+    store: str = "sqlite:///gymproxy-rollouts.db"
+    # Where a call's rollout id comes from besides `/ng-rollout/<id>/` and `X-Rollout-ID`:
+    # "session" takes the session key (a session header, `prompt_cache_key`, `user`) as well.
+    key: Literal["rollout", "session"] = "rollout"
+    # A store that is not taking writes (full, down): the call is served and counted as not
+    # recorded; with `required`, it gets a 503 before it reaches vLLM.
+    required: bool = False
+    record_requests: bool = False  # keep the messages and tools as sent to vLLM too
+    max_age_s: Seconds = 7 * 86400.0  # a rollout not written for this long is evicted
+    max_bytes: Annotated[int, msgspec.Meta(ge=1 << 20)] = 8 << 30  # SQLite's size; Redis: its maxmemory
+    max_pending: Annotated[int, msgspec.Meta(ge=16)] = 100_000  # records queued for the store at most
+
+
 class Access(Settings, frozen=True, kw_only=True):
     """Inbound access control. With no keys, gymproxy is open (it usually sits on a private network)."""
 
@@ -388,6 +408,7 @@ class Config(Settings, frozen=True, kw_only=True):
     retries: Retries = Retries()
     hold: Hold = Hold()
     fleet_control: FleetControl = FleetControl()
+    capture: Capture = Capture()
     breaker: Breaker = Breaker()
     health: Health = Health()
     default_query: dict[str, str] = {}
@@ -667,6 +688,12 @@ def _check_access(config: Config) -> None:
         raise ConfigError(
             f"config: access.fleet_control with no access.api_keys would let anyone who reaches "
             f"{config.host}:{config.port} pause every engine or load weights into them; set access.api_keys "
+            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
+        )
+    if config.capture.enabled and not is_loopback(config.host):
+        raise ConfigError(
+            f"config: capture.enabled with no access.api_keys would let anyone who reaches "
+            f"{config.host}:{config.port} read every captured prompt at /v1/rollouts; set access.api_keys "
             f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
         )
 

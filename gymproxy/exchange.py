@@ -71,6 +71,7 @@ from .sse import SSEError
 from .upstream import Sent, Upstream, read, too_large
 
 if TYPE_CHECKING:
+    from .capture import Recording
     from .config import Pinning
     from .proxy import Proxy
     from .templates import ChatTemplate
@@ -111,6 +112,8 @@ class Caller:
         "prompt_tokens",
         "completion_tokens",
         "outcome",
+        "rollout",
+        "recording",
         "_pinning",
         "_signer",
         "_sid",
@@ -142,6 +145,10 @@ class Caller:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.outcome: str | None = None
+        self.rollout: str | None = (
+            None  # the rollout id it carries (`capture`); keys the session when nothing else does
+        )
+        self.recording: Recording | None = None  # its capture, when captured
         self._pinning = pinning
         self._signer = signer
         self._sid: str | None = None
@@ -159,7 +166,7 @@ class Caller:
         """The session's id for vLLM (`X-Session-ID`): its key when it has one, else `cookie_sid()`.
         Read it once the route has added the body's keys."""
         if self._session is None:
-            key = self.key
+            key = self.key or self.rollout
             self._session = _header_safe(key) if key else self.cookie_sid()
         return self._session
 
@@ -221,31 +228,45 @@ class Answer(Protocol):
     """How the client is answered, from the upstream's reply in chat form."""
 
     model: str | None
+    shows_tokens: bool  # vLLM's token fields reach the client (a captured call strips what it did not ask for)
 
     def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes: ...
     def stream(self, *, continued: bool, reasoning: bool) -> Translator: ...
 
 
 class ChatBackend:
-    """vLLM's chat API: the body goes through the boundary rules (spec 6); replies are chat already."""
+    """vLLM's chat API: the body goes through the boundary rules (spec 6), unless it was made by
+    gymproxy's own conversion for vLLM as it is (`boundary` None: Anthropic's Messages); replies are
+    chat already. A captured call asks for its tokens (`capture.Recording.ask`)."""
 
     route = "chat"
     reasoning = True
 
     def __init__(
-        self, boundary: Boundary, body: dict[str, Any], *, built: bool = False, conversation_id: str | None = None
+        self,
+        boundary: Boundary | None,
+        body: dict[str, Any],
+        *,
+        built: bool = False,
+        conversation_id: str | None = None,
+        recording: Recording | None = None,
     ) -> None:
         self.boundary = boundary
         self.body = body
         self.built = built
         self.conversation_id = conversation_id  # `forward_session_id_as_conversation_id`: the session's id
+        self.recording = recording
         self.continued = False
 
     async def prepare(self) -> bytes:
-        body = self.body = self.boundary.prepare(self.body, built=self.built)
+        if self.boundary is not None:
+            self.body = self.boundary.prepare(self.body, built=self.built)
+        body = self.body
         self.continued = body.get("continue_final_message") is True
         if self.conversation_id is not None:
             body["conversation_params"] = {"conversation_id": self.conversation_id}
+        if self.recording is not None:
+            self.recording.ask(body)
         return ENCODER.encode(body)
 
     def reply(self, payload: bytes, source: str) -> ChatReply:
@@ -346,6 +367,8 @@ def _token_info(fields: dict[str, Any]) -> TokenInfo:
 class ChatAnswer:
     """A `/v1/chat/completions` client: vLLM's chat form, reasoning folded into `<think>` (spec 7.1)."""
 
+    shows_tokens = True
+
     def __init__(self, model: str | None, *, parser: bool) -> None:
         self.model = model
         self.parser = parser
@@ -365,6 +388,8 @@ KEPT_SHARE = 16
 class ResponsesAnswer:
     """A `/v1/responses` client: a Response (spec 8), or its event stream (which keeps at most
     `max_text` characters of output for its last events)."""
+
+    shows_tokens = False
 
     def __init__(self, req: ResponsesRequest, model: str | None, *, parser: bool, max_text: int | None = None) -> None:
         self.req = req
@@ -399,15 +424,35 @@ class Exchange:
         self.fleet: Fleet = proxy.fleet
 
     async def serve(self, backend: Backend, answer: Answer, *, stream: bool) -> web.StreamResponse:
-        """Answer the client: locally, with the whole reply, or as a stream."""
+        """Answer the client: locally, with the whole reply, or as a stream (and record it, when captured)."""
+        caller = self.caller
         try:
-            data = await backend.prepare()
-            if stream:
-                return await self._stream(backend, answer, data)
-            return await self._whole(backend, answer, data)
-        except AnswerLocally as local:
-            self.caller.outcome = "overflow" if isinstance(local, ContextOverflow) else "local"
-            return await self._answer_locally(answer, local.finish_reason, stream=stream)
+            try:
+                data = await backend.prepare()
+                if stream:
+                    return await self._stream(backend, answer, data)
+                return await self._whole(backend, answer, data)
+            except AnswerLocally as local:
+                caller.outcome = "overflow" if isinstance(local, ContextOverflow) else "local"
+                return await self._answer_locally(answer, local.finish_reason, stream=stream)
+        except BaseException as exc:
+            if caller.recording is not None:
+                if isinstance(exc, asyncio.CancelledError):
+                    caller.recording.end(
+                        "cut", upstream=caller.upstream, weight_version=caller.weights, error="the client left"
+                    )
+                else:
+                    error = str(exc) if isinstance(exc, GymproxyError) else type(exc).__name__
+                    caller.recording.end("error", upstream=caller.upstream, weight_version=caller.weights, error=error)
+            raise
+        finally:
+            if caller.recording is not None:
+                outcome = caller.outcome
+                caller.recording.end(
+                    "overflow" if outcome == "overflow" else "cut" if outcome in ("failed", "client_gone") else "ok",
+                    upstream=caller.upstream,
+                    weight_version=caller.weights,
+                )
 
     async def relay(
         self,
@@ -498,10 +543,17 @@ class Exchange:
         self.caller.weights = weights = sent.versions()
         ended = time.monotonic()
         chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
+        recording = self.caller.recording
+        if recording is not None:
+            recording.read(chat.mapping())
+            recording.usage = chat.usage()
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
             tokens.weight_version = weights
+        if recording is not None and answer.shows_tokens:
+            recording.strip(chat.mapping())
+            chat = ChatReply(None, chat.source, chat.mapping())
         body = answer.whole(chat, tokens, continued=backend.continued)
         self._count_usage(sent, chat.usage(), ended)  # read by the conversion: never parsed for this alone
         return web.Response(body=body, content_type=JSON)
@@ -518,13 +570,24 @@ class Exchange:
                     "not an event stream"
                 )
             translator = answer.stream(continued=backend.continued, reasoning=backend.reasoning)
+            recording = self.caller.recording
+            if recording is not None and isinstance(translator, ChatStream):
+                translator.tap = recording.tap
             if isinstance(translator, ResponsesStream):  # it keeps it all for its last event: a whole reply
                 self._limit(reply)
             self.caller.weights = sent.upstream.version  # the headers go first: its version as it starts
             response = await self._prepare_stream()
             async with SSEWriter(response, self._interval, self._first_byte) as writer:
                 tail = await self._translate(sent, backend, translator, writer)
-                self._count_usage(sent, translator.usage, time.monotonic())
+                usage = translator.usage
+                if recording is not None:
+                    if isinstance(translator, ChatStream):
+                        recording.read(recording.tapped())
+                        usage = usage if usage is not None else recording.usage  # a usage chunk kept from the client
+                    else:
+                        recording.read(translator.token_reply())  # type: ignore[attr-defined]
+                    recording.usage = usage
+                self._count_usage(sent, usage, time.monotonic())
                 if tail is not None:
                     await writer.end(tail)
             return response
@@ -541,7 +604,13 @@ class Exchange:
         payloads = Payloads(backend.adapter(), config.limits.max_reply_size)
         feed = translator.payload
         out: list[bytes] = []
-        watch = self.proxy.control is not None and backend.route == "chat" and not config.return_token_id_information
+        # A captured stream is not continued: its record holds one generation, as vLLM sampled it.
+        watch = (
+            self.proxy.control is not None
+            and backend.route == "chat"
+            and not config.return_token_id_information
+            and self.caller.recording is None
+        )
         if watch:
             translator.keep()
         current = sent  # the stream being relayed: `sent`, or a continuation of it
@@ -669,7 +738,7 @@ class Exchange:
             data,
             method=method,
             cookie=caller.cookie,
-            key=caller.key,
+            key=caller.key or caller.rollout,
             sid=caller.cookie_sid(),
             session_id=caller.session_id(),
             request_id=caller.request_id,

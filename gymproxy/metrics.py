@@ -80,7 +80,13 @@ class Metrics:
             del counted[next(iter(counted))]  # the oldest version first seen
         counted[version] = 1
 
-    def render(self, gauges: Iterable[tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]]) -> str:
+    def render(
+        self,
+        gauges: Iterable[tuple[str, str, str, Callable[[], Iterable[tuple[str, float]]]]],
+        histograms: Iterable[tuple[Histogram, str, str, str]] = (),
+    ) -> str:
+        """The text of /metrics: these metrics, then `gauges` and `histograms` (histogram, name, help,
+        label name) of other parts, then the process's own."""
         lines: list[str] = []
         lines += _counter(
             "gymproxy_requests_total", "Requests served, by route and status.", ("route", "status"), self.requests
@@ -143,6 +149,8 @@ class Metrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for label, value in values():
                 lines.append(f"{name}{label} {number(value)}")
+        for histogram, name, help_text, label_name in histograms:
+            lines += histogram.render(name, help_text, label_name)
         return "\n".join(lines) + "\n" + process_metrics()
 
 

@@ -87,6 +87,7 @@ def setup(app: web.Application, config: Config, *, prefix: str = "") -> Proxy:
     if config.access.admin_port is None:
         table += _admin_routes(proxy, prefix)
     table += _fleet_routes(proxy, prefix)
+    table += _rollout_routes(proxy, prefix)
     table += _probes(proxy, prefix, app, ("/", *PROBES) if prefix else PROBES)
     app.router.add_routes(table)
     return proxy
@@ -108,6 +109,17 @@ def _fleet_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
         web.post(broadcast, routes.bind(proxy, routes.fleet_broadcast, "/fleet/broadcast/{route}")),
         web.get(broadcast, routes.bind(proxy, routes.fleet_broadcast, "/fleet/broadcast/{route}")),
         web.get(prefix + "/fleet/status", routes.bind(proxy, routes.fleet_status, "/fleet/status")),
+    ]
+
+
+def _rollout_routes(proxy: Proxy, prefix: str) -> list[web.RouteDef]:
+    """The captured rollouts: prompts and tokens, so never open while a key is set."""
+    one = prefix + "/v1/rollouts/{rollout_id}"
+    return [
+        web.get(prefix + "/v1/rollouts", routes.bind(proxy, routes.list_rollouts, "/v1/rollouts")),
+        web.get(one, routes.bind(proxy, routes.get_rollout, "/v1/rollouts/{rollout_id}")),
+        web.delete(one, routes.bind(proxy, routes.delete_rollout, "/v1/rollouts/{rollout_id}")),
+        web.post(one + "/freeze", routes.bind(proxy, routes.freeze_rollout, "/v1/rollouts/{rollout_id}/freeze")),
     ]
 
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from . import discovery
+from .capture import Capture
 from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_specs
 from .control import Control
 from .convert import boundary, completions
@@ -31,6 +32,7 @@ from .http1 import Aborted
 from .metrics import Metrics, label
 from .overlay import Changes, Overlay
 from .peers import Peers
+from .rollouts.store import StoreError
 from .templates import ChatTemplate
 from .upstream import upstream_name
 
@@ -91,11 +93,17 @@ class Proxy:
         self.peers: Peers | None = None  # the sibling workers of `gymproxy serve --workers N`
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
         self.control = Control(self.fleet, config) if config.access.fleet_control else None  # /fleet/*
+        self.capture = Capture(config.capture) if config.capture.enabled else None  # rollouts' calls recorded
         self.connections: Callable[[], int] | None = None  # open client connections (`gymproxy serve`'s listener)
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
         self.fleet.open()
+        if self.capture is not None:
+            try:
+                await self.capture.start()
+            except StoreError as exc:
+                raise ConfigError(f"config: capture.store: {exc}") from exc
         access = self.config.access
         if access.admin_fleet_changes and not access.api_keys:  # on a loopback host (config refuses others)
             log.warning(
@@ -235,10 +243,15 @@ class Proxy:
 
     def render_metrics(self) -> str:
         """This process's own `/metrics` text."""
-        return self.metrics.render([*self.fleet.gauges(), *self._gauges()])
+        histograms = []
+        if self.capture is not None:
+            histograms.append(self.capture.batches())
+        return self.metrics.render([*self.fleet.gauges(), *self._gauges()], histograms)
 
     def _gauges(self) -> Iterable[Gauge]:
         """The listener's and the launched replicas' series, where this process has them."""
+        if self.capture is not None:
+            yield from self.capture.gauges()
         connections, replicas = self.connections, self.replicas
         if connections is not None:
             yield ("gymproxy_client_connections", "gauge", "Open client connections.", lambda: [("", connections())])
@@ -264,3 +277,5 @@ class Proxy:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.fleet.client.close()
+        if self.capture is not None:
+            await self.capture.close()  # every record queued is written (SIGTERM's flush)

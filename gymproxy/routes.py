@@ -24,6 +24,7 @@ envelope its errors are rendered in.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import re
 import time
@@ -36,6 +37,7 @@ import orjson
 from aiohttp import streams, web
 
 from . import logs, messages, overlay
+from .capture import ROLLOUT_HEADER, ROLLOUT_ID, Recording, rollout_id
 from .config import BadUpstream, Config, UpstreamSpec, check_upstream
 from .control import PAUSE_MODES, ROUTES, Control, Outcome
 from .convert.request import to_chat_body
@@ -67,6 +69,9 @@ from .exchange import (
 from .ids import hex32
 from .pinning import read_cookie
 from .proxy import HOP_HEADER, Proxy
+from .rollouts.record import Rollout
+from .rollouts.store import Store
+from .rollouts.trajectory import view
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
 from .upstream import Upstream, upstream_name
@@ -128,6 +133,10 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
                 raise Unauthorized(refused)
             if control and (least := headers.get(MIN_VERSION)) is not None:
                 caller.min_version = _min_version(least)
+            if (rollout := request.match_info.get("rollout_id")) is not None:
+                caller.rollout = rollout_id(rollout, "the path's /ng-rollout/<id>/")
+            elif (rollout := headers.get(ROLLOUT_HEADER)) is not None:
+                caller.rollout = rollout_id(rollout, ROLLOUT_HEADER)
             response = await route(proxy, request, caller)
         except Exception as exc:
             response = render(exc, request, envelope)
@@ -158,6 +167,7 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     stream = req.stream is True
     kept = config.limits.max_reply_size // KEPT_SHARE
     caller.model = config.model or req.model
+    recording = await _captured(proxy, caller, "responses", stream)
     answer = ResponsesAnswer(req, caller.model, parser=config.uses_reasoning_parser, max_text=kept)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
@@ -169,7 +179,9 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        backend = ChatBackend(proxy.boundary, body, built=True, conversation_id=_conversation_id(caller, config))
+        backend = ChatBackend(
+            proxy.boundary, body, built=True, conversation_id=_conversation_id(caller, config), recording=recording
+        )
     return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
 
 
@@ -181,6 +193,7 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
     stream = body.get("stream") is True
     model = config.model if config.model is not None else body.get("model")
     caller.model = model if isinstance(model, str) else None
+    recording = await _captured(proxy, caller, "chat", stream)
     answer = ChatAnswer(model, parser=config.uses_reasoning_parser)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
@@ -188,7 +201,9 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
             proxy.completions, proxy.template, warn, body, stream=stream, chat_client=True
         )
     else:
-        backend = ChatBackend(proxy.boundary, body, conversation_id=_conversation_id(caller, config))
+        backend = ChatBackend(
+            proxy.boundary, body, conversation_id=_conversation_id(caller, config), recording=recording
+        )
     return await Exchange(proxy, request, caller).serve(backend, answer, stream=stream)
 
 
@@ -392,6 +407,86 @@ def _control_failed(code: str, message: str, outcomes: list[Outcome]) -> web.Res
     return _control_response({"error": error, "engines": outcomes}, status=502)
 
 
+# --- captured rollouts (`capture.enabled`; capture.py, rollouts/) -----------------------------------
+
+ROLLOUT_PAGE = 100  # a listing's page, unless `limit` asks for fewer (at most `ROLLOUT_PAGE_MAX`)
+ROLLOUT_PAGE_MAX = 1000
+
+
+async def list_rollouts(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /v1/rollouts?after=<id>&limit=<n>&state=open|frozen`: rollouts by id, a page at a time."""
+    store = _store(proxy)
+    query = request.query
+    after = query.get("after")
+    if after is not None:
+        after = rollout_id(after, "after")
+    limit = _limit(query.get("limit"))
+    state = query.get("state")
+    if state not in (None, "open", "frozen"):
+        raise BadRequest(f"state must be open or frozen, not {state[:64]!r}", param="state")
+    page = await store.list(after=after, limit=limit + 1, state=state)  # type: ignore[arg-type]
+    more = len(page) > limit
+    page = page[:limit]
+    body = {"object": "list", "data": page, "has_more": more, "last_id": page[-1].rollout_id if page else None}
+    return web.Response(body=ENCODER.encode(body), content_type=JSON)
+
+
+async def get_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`GET /v1/rollouts/{rollout_id}`: its calls and its trajectory, rebuilt (`rollouts.trajectory`)."""
+    store = _store(proxy)
+    rollout = await store.get(_rollout(request))
+    if rollout is None:
+        raise _unknown(request)
+    return await _rollout_view(rollout)
+
+
+async def freeze_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`POST /v1/rollouts/{rollout_id}/freeze`: the atomic snapshot; later calls of it get a 409."""
+    store = _store(proxy)
+    rollout = await store.freeze(_rollout(request))
+    if rollout is None:
+        raise _unknown(request)
+    return await _rollout_view(rollout)
+
+
+async def delete_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
+    """`DELETE /v1/rollouts/{rollout_id}`: its records freed."""
+    store = _store(proxy)
+    rollout = _rollout(request)
+    if not await store.delete(rollout):
+        raise _unknown(request)
+    return web.Response(body=ENCODER.encode({"id": rollout, "object": "rollout", "deleted": True}), content_type=JSON)
+
+
+async def _rollout_view(rollout: Rollout) -> web.Response:
+    # A long rollout's trajectory is megabytes of token ids: rebuilt and encoded off the event loop.
+    body = await asyncio.to_thread(lambda: ENCODER.encode(view(rollout)))
+    return web.Response(body=body, content_type=JSON)
+
+
+def _store(proxy: Proxy) -> Store:
+    if proxy.capture is None:
+        raise Forbidden("rollout capture is off; set `capture.enabled: true` to record rollouts")
+    return proxy.capture.store
+
+
+def _rollout(request: web.Request) -> str:
+    return rollout_id(request.match_info["rollout_id"], "rollout_id")
+
+
+def _unknown(request: web.Request) -> NotFound:
+    name = request.match_info["rollout_id"]
+    return NotFound(f"no rollout {name!r} is recorded (GET /v1/rollouts lists them)", param="rollout_id")
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return ROLLOUT_PAGE
+    if not value.isdigit() or not 1 <= int(value) <= ROLLOUT_PAGE_MAX:
+        raise BadRequest(f"limit must be a whole number from 1 to {ROLLOUT_PAGE_MAX}", param="limit")
+    return int(value)
+
+
 async def live(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`GET /`, `/healthz`, `/livez`, `/readyz`: the process is up and serving. No upstream is asked
     (that is `/health`), so a probe costs nothing and a fleet outage does not restart gymproxy."""
@@ -404,6 +499,22 @@ async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.Str
     if proxy.peers is not None:  # one worker of several: the scrape covers them all
         text = await proxy.peers.collect(text)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def _captured(proxy: Proxy, caller: Caller, route: str, stream: bool) -> Recording | None:
+    """The call's capture, when capture is on and it carries a rollout id (`capture`); read once the
+    body's session keys are in (`capture.key: session` takes them as the id)."""
+    capture = proxy.capture
+    if capture is None:
+        return None
+    rollout = caller.rollout
+    if rollout is None and capture.config.key == "session" and caller.key:
+        key = caller.key
+        rollout = key if ROLLOUT_ID.fullmatch(key) else "sha256-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    if rollout is None:
+        return None
+    caller.recording = await capture.begin(rollout, route, stream=stream)
+    return caller.recording
 
 
 def _conversation_id(caller: Caller, config: Config) -> str | None:

@@ -98,7 +98,8 @@ def open_store(url: str, bounds: Bounds) -> Store:
 
         return SQLiteStore(url, bounds)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        from .redis_store import RedisStore
+        from .redis_store import RedisStore  # the optional extra `redis`
 
-        return RedisStore(url, bounds)
+        store: Store = RedisStore(url, bounds)
+        return store
     raise StoreError(f"capture.store: {url!r} is neither sqlite:///PATH nor redis://HOST:PORT/DB")
