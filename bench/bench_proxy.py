@@ -288,7 +288,7 @@ class Bench:
             window = await loadgen.drive(
                 client, self.target_url(target, scenario), body, stream=scenario.stream, responses=responses,
                 concurrency=args.concurrency, warmup=args.warmup, duration=args.duration,
-                probe=lambda: self.probe(target), rate=args.rate,
+                probe=lambda: self.probe(target), rate=args.rate, rollouts=args.rollouts,
             )  # fmt: skip
         n, seconds = window.requests, window.seconds
         target_cpu = window.cpu.get("target")
@@ -608,6 +608,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="gymproxy config file (also used to build the floor's chat bodies)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="passed to gymproxy serve")
+    parser.add_argument(
+        "--rollouts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send X-Rollout-ID on every request, a new rollout every N calls per connection (a captured load; "
+        "turn capture on in a target with --set capture.enabled=true or a --variant)",
+    )
     parser.add_argument("--profile", metavar="FILE", help="run gymproxy under cProfile, write FILE, print the top")
     parser.add_argument("--log-dir", help="keep the servers' logs here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

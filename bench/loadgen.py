@@ -78,8 +78,11 @@ async def drive(
     duration: float,
     probe: Callable[[], dict[str, float]],
     rate: float | None = None,
+    rollouts: int = 0,
 ) -> Window:
-    """Keep `concurrency` requests in flight for `warmup` + `duration` seconds; measure the latter."""
+    """Keep `concurrency` requests in flight for `warmup` + `duration` seconds; measure the latter.
+    With `rollouts`, each worker's requests carry `X-Rollout-ID`, a new one every `rollouts` calls
+    (what a captured rollout sends)."""
     window = Window()
     recording = False
     stopping = False
@@ -91,9 +94,14 @@ async def drive(
             window.errors += 1
             window.first_error = window.first_error or message
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
         nonlocal sent
+        calls = 0
+        headers = HEADERS
         while not stopping:
+            if rollouts:
+                headers = {**HEADERS, "X-Rollout-ID": f"bench-{origin:.0f}-{index}-{calls // rollouts}"}
+                calls += 1
             if rate:
                 slot, sent = origin + sent / rate, sent + 1
                 if slot > time.perf_counter():
@@ -103,7 +111,7 @@ async def drive(
             start = time.perf_counter()
             first = 0.0
             try:
-                async with client.post(url, data=body, headers=HEADERS) as reply:
+                async with client.post(url, data=body, headers=headers) as reply:
                     if stream:
                         parts: list[bytes] = []
                         async for part in reply.content.iter_any():
@@ -130,7 +138,7 @@ async def drive(
                 window.ttfbs.append(first - start)
                 window.frames += data.count(b"data: ") - data.count(DONE_FRAME)
 
-    tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    tasks = [asyncio.ensure_future(worker(i)) for i in range(concurrency)]
     try:
         await asyncio.sleep(warmup)
         before, started = probe(), time.perf_counter()

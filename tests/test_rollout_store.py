@@ -86,7 +86,7 @@ async def test_records_come_back_exactly_in_seq_order(tmp_path: Path) -> None:
     for got, sent in zip(rollout.calls, calls, strict=True):
         assert got.prompt_token_ids == sent.prompt_token_ids and got.generation_log_probs == [-0.1, -1e-9, -9999.0]
         assert got.outcome == "ok" and got.usage == sent.usage
-    assert rollout.complete and again.stats.recorded == 0 and store.stats.recorded == 10
+    assert rollout.complete and again.stats.recorded == 0 and store.stats.recorded in (5, 10)  # a start and its end may go as one
     await again.close()
 
 
@@ -194,7 +194,8 @@ async def test_a_stalled_file_never_blocks_the_loop(tmp_path: Path) -> None:
     spent = time.monotonic() - began
     blocker.execute("ROLLBACK")
     blocker.close()
-    assert await eventually(lambda: store.stats.recorded == 600, 20)
+    rollout = await store.get("r")  # after every record queued before it
+    assert rollout is not None and len(rollout.calls) == 300
     ticker.cancel()
     assert worst < 0.5, f"the loop stalled {worst:.3f} s"
     assert spent < 30

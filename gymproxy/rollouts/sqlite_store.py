@@ -1,21 +1,25 @@
 """The embedded rollout store: one SQLite file in WAL mode (standard library), written by one thread.
 
-`begin` and `end` put a record on a bounded queue and return; the writer thread takes whatever is
-queued and writes it in one transaction (a group commit: at once when idle, batched under load, so
-a record is committed within milliseconds). `freeze` and `delete` go through the same queue, so a
-freeze comes after every record this process queued before it. Reads use their own connection on
-their own thread. The event loop never touches the file.
+`begin` and `end` append a record to a bounded in-memory queue and return (no lock, no wake-up);
+every `FLUSH_S` the writer thread takes what is queued and writes it in one transaction, one
+upsert a record (a group commit: a record is committed within `FLUSH_S` plus the write). A call
+whose end is queued by the time its start is written is written once. `freeze` and `delete` go
+through the same queue and wake the writer, so a freeze comes after every record this process
+queued before it. Reads use their own connection on their own thread. The event loop never
+touches the file.
 
 Several processes may share the file (`--workers`): each transaction takes the write lock
-(`BEGIN IMMEDIATE`, waiting up to `BUSY_TIMEOUT_S`) and numbers calls from the rollout's row, so
-`seq` stays unique. A freeze made by another process is seen by `admit` within `REFRESH_S`; a
-call's records that reach a rollout frozen meanwhile are dropped in the transaction (counted), so
-a snapshot never changes.
+(`BEGIN IMMEDIATE`, waiting up to `BUSY_TIMEOUT_S`) and re-reads the rollouts frozen since its
+last look inside it, so a call's records that reach a rollout another process froze are dropped
+(counted): a snapshot never changes. A call's `seq` is the order in which its first record was
+committed (the table's rowid), numbered from 1 when read. `admit` sees another process's freeze
+within `FLUSH_S`.
 
-What SIGKILL can lose: the records still queued (not yet committed), at most the last batch;
-every committed one is readable, and WAL keeps the file whole (`synchronous=NORMAL`: a power loss
-may also lose the last commits). Bounds: a rollout not written for `max_age_s` is evicted, and
-while the records' bytes exceed `max_bytes` the least recently written rollouts go first.
+What SIGKILL can lose: the records still queued, at most `FLUSH_S` of them; every committed one
+is readable, and WAL keeps the file whole (`synchronous=NORMAL`: a power loss may also lose the
+last commits). Bounds: a rollout not written for `max_age_s` is evicted, and while the records'
+bytes exceed `max_bytes` (counted as written, so a call written twice counts twice) the least
+recently written rollouts go first.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import queue
 import sqlite3
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -40,9 +44,9 @@ from .store import Bounds, Stats, StoreError
 log = logging.getLogger("gymproxy")
 
 BUSY_TIMEOUT_S: Final = 10.0
-REFRESH_S: Final = 0.1  # frozen rollouts of other processes re-read this often
+FLUSH_S: Final = 0.02  # the writer's batch window: records are committed at most this long after
 HOUSEKEEPING_S: Final = 1.0  # eviction and the open/frozen counts, at most this often
-BATCH_MAX: Final = 5000  # records in one transaction at most
+BATCH_MAX: Final = 20_000  # records in one transaction at most
 
 SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS rollouts (
@@ -52,20 +56,27 @@ CREATE TABLE IF NOT EXISTS rollouts (
     updated REAL NOT NULL,
     frozen_at REAL,
     refused INTEGER NOT NULL DEFAULT 0,
-    last_seq INTEGER NOT NULL DEFAULT 0,
     bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS rollouts_updated ON rollouts (updated);
 CREATE INDEX IF NOT EXISTS rollouts_frozen ON rollouts (frozen_at);
 CREATE TABLE IF NOT EXISTS calls (
-    call_id TEXT PRIMARY KEY,
+    ord INTEGER PRIMARY KEY,
+    call_id TEXT NOT NULL UNIQUE,
     rollout TEXT NOT NULL,
-    seq INTEGER NOT NULL,
     outcome TEXT NOT NULL,
     data BLOB NOT NULL
 );
-CREATE UNIQUE INDEX IF NOT EXISTS calls_seq ON calls (rollout, seq);
+CREATE INDEX IF NOT EXISTS calls_rollout ON calls (rollout, ord);
 """
+UPSERT_CALL: Final = (
+    "INSERT INTO calls (call_id, rollout, outcome, data) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (call_id) DO UPDATE SET outcome = excluded.outcome, data = excluded.data"
+)
+UPSERT_ROLLOUT: Final = (
+    "INSERT INTO rollouts (id, created, updated, bytes) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT (id) DO UPDATE SET updated = excluded.updated, bytes = bytes + excluded.bytes"
+)
 
 _ENCODE: Final = msgspec.msgpack.Encoder().encode
 _DECODE: Final = msgspec.msgpack.Decoder(Call).decode
@@ -95,7 +106,8 @@ class SQLiteStore:
         self.path = path_of(url)
         self.bounds = bounds
         self.stats = Stats()
-        self._queue: queue.Queue[Op | None] = queue.Queue(bounds.max_pending)
+        self._pending: deque[Op | None] = deque()  # appended by the loop, taken by the writer
+        self._wake = threading.Event()  # an awaited op, or close: write now
         self._frozen: set[str] = set()
         self._failing = False
         self._thread: threading.Thread | None = None
@@ -120,7 +132,7 @@ class SQLiteStore:
         return self._put(("end", call, None))
 
     def available(self) -> bool:
-        return not self._failing and not self._queue.full()
+        return not self._failing and len(self._pending) < self.bounds.max_pending
 
     async def admit(self, rollout_id: str) -> bool:
         if rollout_id not in self._frozen:
@@ -130,10 +142,12 @@ class SQLiteStore:
         return False
 
     async def get(self, rollout_id: str) -> Rollout | None:
+        await self._awaited("sync", "")  # what this process queued before is read back
         rollout: Rollout | None = await self._read(lambda db: _rollout(db, rollout_id))
         return rollout
 
-    async def list(self, *, after: str | None, limit: int, state: State | None = None) -> list[Summary]:
+    async def list(self, *, after: str | None, limit: int, state: State | None = None) -> builtins.list[Summary]:
+        await self._awaited("sync", "")
         summaries: builtins.list[Summary] = await self._read(lambda db: _summaries(db, after, limit, state))
         return summaries
 
@@ -148,22 +162,25 @@ class SQLiteStore:
     async def close(self) -> None:
         thread = self._thread
         if thread is not None:
-            await asyncio.to_thread(self._queue.put, None)  # after every record queued: they are written
+            self._pending.append(None)  # after every record queued: they are written
+            self._wake.set()
             await asyncio.to_thread(thread.join)
             self._thread = None
         self._reader.shutdown(wait=False)
 
     def _put(self, op: Op) -> bool:
-        try:
-            self._queue.put_nowait(op)
-        except queue.Full:
+        if len(self._pending) >= self.bounds.max_pending:
             self.stats.dropped += 1
             return False
+        self._pending.append(op)
         return True
 
     async def _awaited(self, kind: str, rollout_id: str) -> Any:
+        if self._thread is None:
+            raise StoreError(f"the rollout store {self.path} is closed")
         future: Future[Any] = Future()
-        await asyncio.to_thread(self._queue.put, (kind, rollout_id, future))  # waits for room: it must go
+        self._pending.append((kind, rollout_id, future))  # past the bound too: it must go
+        self._wake.set()
         return await asyncio.wrap_future(future)
 
     async def _read(self, read: Callable[[sqlite3.Connection], Any]) -> Any:
@@ -187,63 +204,78 @@ class SQLiteStore:
         return db
 
     def _write_loop(self, db: sqlite3.Connection) -> None:
-        refreshed = housekept = 0.0
+        housekept = 0.0
         watermark = 0.0
+        pending = self._pending
         stopping = False
         while not stopping:
-            batch: list[Op] = []
-            try:
-                first = self._queue.get(timeout=REFRESH_S)
-            except queue.Empty:
-                pass  # no record: the periodic work only
-            else:
-                if first is None:
+            self._wake.wait(FLUSH_S)
+            self._wake.clear()
+            batch: builtins.list[Op] = []
+            while pending and len(batch) < BATCH_MAX:
+                op = pending.popleft()
+                if op is None:
                     stopping = True
-                else:
-                    batch.append(first)
-                while batch and len(batch) < BATCH_MAX:
-                    try:
-                        op = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if op is None:
-                        stopping = True
-                        break
-                    batch.append(op)
-            if batch:
-                self._write(db, batch)
-            now = time.monotonic()
+                    break
+                batch.append(op)
             try:
-                if now - refreshed >= REFRESH_S:
-                    refreshed = now
-                    watermark = self._refresh_frozen(db, watermark)
+                watermark = self._write(db, batch, watermark)
+                now = time.monotonic()
                 if now - housekept >= HOUSEKEEPING_S:
                     housekept = now
                     self._housekeeping(db)
             except sqlite3.Error as exc:
                 self._log_once("housekeeping", f"rollout store {self.path}: housekeeping failed: {exc}")
+            if pending and not stopping:
+                self._wake.set()  # more than a batch waits
         db.close()
 
-    def _write(self, db: sqlite3.Connection, batch: builtins.list[Op]) -> None:
+    def _write(self, db: sqlite3.Connection, batch: builtins.list[Op], watermark: float) -> float:
+        """Write `batch` in one transaction (after re-reading the rollouts frozen meanwhile); the new
+        frozen watermark."""
         started = time.monotonic()
         results: builtins.list[tuple[Future[Any], Any]] = []
-        records = written = 0
         try:
             db.execute("BEGIN IMMEDIATE")
+            frozen = self._frozen
+            for rollout, frozen_at in db.execute(
+                "SELECT id, frozen_at FROM rollouts WHERE frozen_at > ?", (watermark,)
+            ):
+                frozen.add(rollout)
+                watermark = max(watermark, frozen_at)
+            calls: builtins.list[tuple[str, str, str, bytes]] = []
+            touched: dict[str, tuple[float, int]] = {}  # rollout: (created, bytes)
+            now = time.time()
             for kind, payload, future in batch:
                 if kind == "begin" or kind == "end":
-                    size = self._record(db, payload, start=kind == "begin")
-                    if size:
-                        records += 1
-                        written += size
-                elif kind == "refuse":
+                    call: Call = payload
+                    rollout = call.rollout_id
+                    if rollout in frozen:
+                        self.stats.dropped += 1
+                        continue
+                    if kind == "begin" and call.outcome != "in_flight":
+                        continue  # its end is queued: written once
+                    data = _ENCODE(call)
+                    calls.append((call.call_id, rollout, call.outcome, data))
+                    created, size = touched.get(rollout, (call.started, 0))
+                    touched[rollout] = (created, size + len(data))
+                    continue
+                if calls:  # what came before an op is written before it
+                    self._flush(db, calls, touched, now)
+                if kind == "refuse":
                     db.execute("UPDATE rollouts SET refused = refused + 1 WHERE id = ?", (payload,))
                 elif kind == "freeze":
                     assert future is not None
-                    results.append((future, self._freeze(db, payload)))
+                    frozen_id = self._freeze(db, payload, now)
+                    results.append((future, frozen_id and _rollout(db, frozen_id)))
                 elif kind == "delete":
                     assert future is not None
                     results.append((future, self._delete(db, payload)))
+                elif kind == "sync":
+                    assert future is not None
+                    results.append((future, None))
+            if calls:
+                self._flush(db, calls, touched, now)
             db.execute("COMMIT")
         except sqlite3.Error as exc:
             if db.in_transaction:
@@ -255,80 +287,44 @@ class SQLiteStore:
             for _, _, future in batch:
                 if future is not None:
                     future.set_exception(failure)
-            return
+            return watermark
         self._failing = False
-        stats = self.stats
-        stats.recorded += records
-        stats.bytes += written
-        stats.batch_seconds.append(time.monotonic() - started)
-        if len(stats.batch_seconds) > 10_000:  # nobody scrapes: keep the newest
-            del stats.batch_seconds[:5_000]
+        if batch:
+            self.stats.batch_seconds.append(time.monotonic() - started)
+            if len(self.stats.batch_seconds) > 10_000:  # nobody scrapes: keep the newest
+                del self.stats.batch_seconds[:5_000]
         for future, result in results:
-            if isinstance(result, str):  # a frozen id: seen by this process's admit from now on
-                self._frozen.add(result)
-            future.set_result(result if not isinstance(result, str) else _rollout(db, result))
+            future.set_result(result)
+        return watermark
 
-    def _record(self, db: sqlite3.Connection, call: Call, *, start: bool) -> int:
-        """Write one record; its size, or 0 when it was dropped (its rollout is frozen)."""
-        rollout = call.rollout_id
-        now = time.time()
-        row = db.execute("SELECT state, last_seq FROM rollouts WHERE id = ?", (rollout,)).fetchone()
-        if row is None:
-            db.execute("INSERT INTO rollouts (id, created, updated) VALUES (?, ?, ?)", (rollout, call.started, now))
-            state, last = "open", 0
-        else:
-            state, last = row
-        if state == "frozen":
-            self.stats.dropped += 1
-            return 0
-        existing = (
-            None
-            if start
-            else db.execute("SELECT seq, length(data) FROM calls WHERE call_id = ?", (call.call_id,)).fetchone()
-        )
-        if existing is None:
-            call.seq = last + 1
-            data = _ENCODE(call)
-            db.execute(
-                "INSERT OR REPLACE INTO calls VALUES (?, ?, ?, ?, ?)",
-                (call.call_id, rollout, call.seq, call.outcome, data),
-            )
-            db.execute(
-                "UPDATE rollouts SET last_seq = ?, updated = ?, bytes = bytes + ? WHERE id = ?",
-                (call.seq, now, len(data), rollout),
-            )
-        else:
-            call.seq = existing[0]
-            data = _ENCODE(call)
-            db.execute("UPDATE calls SET outcome = ?, data = ? WHERE call_id = ?", (call.outcome, data, call.call_id))
-            db.execute(
-                "UPDATE rollouts SET updated = ?, bytes = bytes + ? WHERE id = ?",
-                (now, len(data) - existing[1], rollout),
-            )
-        return len(data)
+    def _flush(
+        self,
+        db: sqlite3.Connection,
+        calls: builtins.list[tuple[str, str, str, bytes]],
+        touched: dict[str, tuple[float, int]],
+        now: float,
+    ) -> None:
+        db.executemany(UPSERT_CALL, calls)
+        db.executemany(UPSERT_ROLLOUT, [(rollout, created, now, size) for rollout, (created, size) in touched.items()])
+        self.stats.recorded += len(calls)
+        self.stats.bytes += sum(size for _, size in touched.values())
+        calls.clear()
+        touched.clear()
 
-    def _freeze(self, db: sqlite3.Connection, rollout: str) -> str | None:
+    def _freeze(self, db: sqlite3.Connection, rollout: str, now: float) -> str | None:
         done = db.execute(
-            "UPDATE rollouts SET state = 'frozen', frozen_at = ? WHERE id = ? AND state = 'open'",
-            (time.time(), rollout),
+            "UPDATE rollouts SET state = 'frozen', frozen_at = ? WHERE id = ? AND state = 'open'", (now, rollout)
         )
-        if done.rowcount:
-            return rollout
-        known = db.execute("SELECT 1 FROM rollouts WHERE id = ?", (rollout,)).fetchone()
-        return rollout if known else None
+        if not done.rowcount and db.execute("SELECT 1 FROM rollouts WHERE id = ?", (rollout,)).fetchone() is None:
+            return None
+        self._frozen.add(rollout)
+        return rollout
 
     def _delete(self, db: sqlite3.Connection, rollout: str) -> bool:
         db.execute("DELETE FROM calls WHERE rollout = ?", (rollout,))
         deleted = db.execute("DELETE FROM rollouts WHERE id = ?", (rollout,)).rowcount > 0
         self._frozen.discard(rollout)
         return deleted
-
-    def _refresh_frozen(self, db: sqlite3.Connection, watermark: float) -> float:
-        """Rollouts other processes froze since `watermark` join this process's frozen set."""
-        for rollout, frozen_at in db.execute("SELECT id, frozen_at FROM rollouts WHERE frozen_at > ?", (watermark,)):
-            self._frozen.add(rollout)
-            watermark = max(watermark, frozen_at)
-        return watermark
 
     def _housekeeping(self, db: sqlite3.Connection) -> None:
         """Evict by age and by size, and count open and frozen rollouts."""
@@ -366,9 +362,11 @@ def _rollout(db: sqlite3.Connection, rollout: str) -> Rollout | None:
     ).fetchone()
     if row is None:
         return None
-    calls = [
-        _DECODE(data) for (data,) in db.execute("SELECT data FROM calls WHERE rollout = ? ORDER BY seq", (rollout,))
-    ]
+    calls = []
+    for seq, (data,) in enumerate(db.execute("SELECT data FROM calls WHERE rollout = ? ORDER BY ord", (rollout,)), 1):
+        call = _DECODE(data)
+        call.seq = seq
+        calls.append(call)
     state, created, updated, frozen_at, refused = row
     return Rollout(
         rollout_id=rollout,
