@@ -55,7 +55,9 @@ and their refusals (FastAPI's validation errors through vLLM's 400 handler); wit
 
 The tokenizer is crude but deterministic: one token per word, counting the whitespace before it,
 with id = crc32(piece) mod 50000. Every id the fake reports (prompt ids, `/tokenize`, generated ids
-and logprob tokens) comes from that one function, so they all agree.
+and logprob tokens) comes from that one function, so they all agree. Its chat template renders an
+assistant message in history as its reply was generated, so token ids stay consistent across the
+turns of a conversation, as a real template's do; `fake.returned` logs the ids of every chat reply.
 """
 
 from __future__ import annotations
@@ -183,8 +185,25 @@ def token_id(piece: str) -> int:
 
 
 def chat_prompt_pieces(messages: list[Any]) -> list[str]:
-    """The prompt tokens of a chat request: the tokens of every message's text, in order."""
-    return [p for m in messages for p in pieces(_text(m.get("content") if isinstance(m, dict) else None))]
+    """The prompt tokens of a chat request: the tokens of every message's text, in order. An assistant
+    message is rendered as its reply was generated (reasoning, content, then each tool call's name and
+    arguments), so a conversation's next prompt begins with the last prompt and the ids generated."""
+    return [p for m in messages if isinstance(m, dict) for p in _message_pieces(m)]
+
+
+def _message_pieces(message: Json) -> list[str]:
+    toks = []
+    for key in ("reasoning", "reasoning_content"):
+        if isinstance(message.get(key), str):
+            toks += pieces(message[key])
+    toks += pieces(_text(message.get("content")))
+    calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            arguments = function.get("arguments")
+            toks += [function["name"], *pieces(arguments if isinstance(arguments, str) else "")]
+    return toks
 
 
 def _text(content: Any) -> str:
@@ -921,6 +940,9 @@ class FakeVLLM:
         self.disconnects: list[float] = []
         self.scheduler = Scheduler()
         self.sampled_versions = self.scheduler.sampled_versions  # request id -> the versions that sampled it
+        # Every chat generation that returned token ids, in the order it ended: its prompt and generated
+        # ids and the generated tokens' log probs (null unless asked), as a capturing proxy should record them.
+        self.returned: list[Json] = []
         self._asleep: set[str] = set()  # what /sleep put to sleep (level 1 and 2: the weights and KV cache)
         self._scripts: collections.deque[Script] = collections.deque()
         self.app = web.Application(client_max_size=64 * 1024**2)
@@ -1094,10 +1116,12 @@ class FakeVLLM:
         gen = self._enter(request, turn)
         try:
             if body.get("stream"):
-                return await self._stream(request, gen, turn, _chat_frames if chat else _text_frames)
+                return await self._stream(request, gen, turn, _chat_frames if chat else _text_frames, returned=chat)
             made = await self._produce(request, gen, turn)
             if made is None:
                 return web.Response()
+            if chat:
+                self._returned(made)
             return _json_response(orjson.dumps(_chat_body(made) if chat else _text_body(made)))
         finally:
             self.scheduler.finish(gen)
@@ -1154,11 +1178,14 @@ class FakeVLLM:
         turn: _Turn,
         framer: Callable[[_Turn], Frames],
         failures: dict[str, list[bytes]] | None = None,
+        *,
+        returned: bool = False,
     ) -> web.StreamResponse:
         """Write the turn's frames, `chunk_delay` apart, failing midway as `script.fail_mid_stream` says
         (`failures`: the tails that end a stream broken by `bad_json` and by `error`, when not chat's and
         text completion's). While the head and body go out the turn is generating: the scheduler may
-        freeze it or cut it, and a cut one ends at once with the frames of the turn as cut."""
+        freeze it or cut it, and a cut one ends at once with the frames of the turn as cut. With
+        `returned`, a stream that ends whole or cut is logged in `returned`."""
         head, body, tail = framer(turn)
         script = turn.script
         mode = script.fail_mid_stream
@@ -1182,7 +1209,10 @@ class FakeVLLM:
                         self._lost()
                         return resp
                     scheduler.finish(gen)
-                    cut_head, cut_body, cut_tail = framer(_cut(turn, max(0, i - len(head))))
+                    cut = _cut(turn, max(0, i - len(head)))
+                    if returned:
+                        self._returned(cut)
+                    cut_head, cut_body, cut_tail = framer(cut)
                     await self._write(resp, [*cut_head, *cut_body, *cut_tail][i:])
                     return resp
                 scheduler.sampled(gen, min(len(turn.steps), max(0, i + 1 - len(head))))
@@ -1198,11 +1228,24 @@ class FakeVLLM:
                 return resp
             finally:
                 gen.writing = False
+        if returned and mode is None:
+            self._returned(turn)
         if mode == "reset":
             _reset(request)
             return resp
         await resp.write_eof()
         return resp
+
+    def _returned(self, turn: _Turn) -> None:
+        if turn.return_ids:
+            toks = turn.tokens()
+            self.returned.append(
+                {
+                    "prompt_token_ids": turn.prompt_ids,
+                    "generation_token_ids": [token_id(tok) for tok in toks],
+                    "generation_log_probs": [_logprob(token_id(tok)) for tok in toks] if turn.logprobs else None,
+                }
+            )
 
     async def _write(self, resp: web.StreamResponse, frames: list[bytes]) -> None:
         try:
