@@ -41,6 +41,32 @@ ROLLOUT_HEADER: Final = "X-Rollout-ID"
 ROLLOUT_ID: Final = re.compile(r"[A-Za-z0-9._:@+=\-]{1,200}")
 
 
+# The token fields of a whole chat reply, decoded straight from its bytes (the rest is skipped).
+class _LogProb(msgspec.Struct):
+    logprob: Any = None
+
+
+class _LogProbs(msgspec.Struct):
+    content: list[_LogProb] | None = None
+
+
+class _Choice(msgspec.Struct):
+    token_ids: Any = None
+    logprobs: _LogProbs | None = None
+    finish_reason: Any = None
+
+
+class _Tokens(msgspec.Struct):
+    prompt_token_ids: Any = None
+    choices: list[_Choice] = []
+    usage: Any = None
+
+
+_TOKENS: Final = msgspec.json.Decoder(_Tokens)
+# A token field with a value the client did not ask for (vLLM sends `null` when not asked).
+_SHOWN: Final = re.compile(rb'"(?:prompt_token_ids|token_ids)"\s*:\s*\[|"logprobs"\s*:\s*\{')
+
+
 def rollout_id(value: str, where: str) -> str:
     """A rollout id as given, or a 400 naming where it came from."""
     if ROLLOUT_ID.fullmatch(value) is None:
@@ -217,6 +243,31 @@ class Recording:
         reason = choice.get("finish_reason")
         if isinstance(reason, str):
             call.finish_reason = reason
+
+    def read_payload(self, payload: bytes) -> None:
+        """The tokens, finish reason and usage of a whole chat reply, from its bytes."""
+        try:
+            view = _TOKENS.decode(payload)
+        except msgspec.DecodeError:
+            return  # not the shape vLLM sends: the exchange's own checks say so
+        call = self.call
+        call.prompt_token_ids = _ints(view.prompt_token_ids)
+        self.usage = view.usage
+        if not view.choices:
+            return
+        choice = view.choices[0]
+        call.generation_token_ids = _ints(choice.token_ids)
+        if choice.logprobs is not None and choice.logprobs.content is not None:
+            values = [entry.logprob for entry in choice.logprobs.content]
+            call.generation_log_probs = (
+                values if all(isinstance(v, float | int) and not isinstance(v, bool) for v in values) else None
+            )
+        if isinstance(choice.finish_reason, str):
+            call.finish_reason = choice.finish_reason
+
+    def shown(self, payload: bytes) -> bool:
+        """Whether a reply carries token fields the client did not ask for (`strip` them)."""
+        return (self.strip_ids or self.strip_logprobs) and _SHOWN.search(payload) is not None
 
     def strip(self, reply: dict[str, Any]) -> None:
         """What the client did not ask for, back to the nulls vLLM sends when not asked."""

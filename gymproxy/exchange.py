@@ -545,13 +545,16 @@ class Exchange:
         chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
         recording = self.caller.recording
         if recording is not None:
-            recording.read(chat.mapping())
-            recording.usage = chat.usage()
+            if backend.route == "chat":
+                recording.read_payload(payload)
+            else:  # the completions backend: its reply made chat-shaped
+                recording.read(chat.mapping())
+                recording.usage = chat.usage()
         tokens = None
         if self.proxy.config.return_token_id_information:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
             tokens.weight_version = weights
-        if recording is not None and answer.shows_tokens:
+        if recording is not None and answer.shows_tokens and recording.shown(chat.payload):
             recording.strip(chat.mapping())
             chat = ChatReply(None, chat.source, chat.mapping())
         body = answer.whole(chat, tokens, continued=backend.continued)
