@@ -19,7 +19,7 @@ import pytest
 
 from gymproxy.rollouts.record import Call
 from gymproxy.rollouts.store import Stats
-from gymproxy.testing.fake_vllm import FakeVLLM, Script
+from gymproxy.testing.fake_vllm import FakeVLLM, Script, pieces
 
 from .faults import eventually, start_proxy
 
@@ -153,6 +153,37 @@ async def test_a_codex_like_responses_rollout_is_one_segment(
     generated = [t for t, m in zip(segment["token_ids"], segment["loss_mask"], strict=True) if m]
     assert generated == [t for c in got["calls"] for t in c["generation_token_ids"]]
     assert got["complete"] is True and got["state"] == "open"
+
+
+async def test_a_harness_that_rewrites_its_history_shows_the_break_at_that_call_and_position(
+    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path
+) -> None:
+    """Two turns that extend each other, then a third whose history was rewritten (an earlier user
+    turn re-worded, as a compaction does): a new segment, and the break names call 3 and the first
+    token that differs, with the windows around it."""
+    url, _ = await gymproxy(aiohttp_server, fake, tmp_path)
+    history: list[dict[str, Any]] = [{"role": "user", "content": "please look at the files in this folder"}]
+    async with aiohttp.ClientSession() as session:
+        for turn in range(3):
+            if turn == 2:
+                history[2] = {"role": "user", "content": "next one, summarised"}
+            async with session.post(f"{url}/ng-rollout/rw{CHAT}", json={"model": "m", "messages": history}) as r:
+                assert r.status == 200
+                history += [(await r.json())["choices"][0]["message"], {"role": "user", "content": f"next {turn}"}]
+        got = await settled(session, url, "rw", 3)
+    first, second, third = returned(fake)
+    expected = second["prompt_token_ids"] + second["generation_token_ids"]
+    assert expected[: len(first["prompt_token_ids"])] == first["prompt_token_ids"]
+    position = len(first["prompt_token_ids"]) + len(first["generation_token_ids"]) + len(pieces("next"))
+    assert expected[:position] == third["prompt_token_ids"][:position]
+    assert expected[position] != third["prompt_token_ids"][position]
+    (broken,) = got["breaks"]
+    assert broken["call"] == 3 and broken["segment"] == 0 and broken["position"] == position
+    start = broken["expected_start"]
+    assert start == position - 8
+    assert broken["expected"] == expected[start : position + 8]
+    assert broken["got"] == third["prompt_token_ids"][start : position + 8]
+    assert [s["calls"] for s in got["segments"]] == [[1, 2], [3]]
 
 
 async def test_the_header_names_a_rollout_and_pins_it(aiohttp_server: Any, tmp_path: Path) -> None:
