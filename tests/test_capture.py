@@ -462,6 +462,7 @@ async def test_a_store_that_stalls_for_5_s_leaves_other_requests_their_latency(
         blocker.execute("ROLLBACK")
         blocker.close()
         recorded = await settled(session, url, "during", made)
-    assert worst < 0.5, f"a call and a /health took {worst:.3f} s while the store stalled"
+    # Blocked, they would wait out the 5 s stall; the bound leaves room for a loaded machine.
+    assert worst < 2.0, f"a call and a /health took {worst:.3f} s while the store stalled"
     assert all(c["outcome"] == "ok" for c in recorded["calls"]) and len(recorded["calls"]) == made > 10
     assert proxy.capture.stats.failed == 0
