@@ -356,7 +356,8 @@ async def test_two_workers_pin_the_same_cookie_the_same_way(fleet):
                         if r.status == 200:
                             break
                 except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
+                    pass
+                await asyncio.sleep(0.1)
             pins = [pin_of(await ask(session, url)) for _ in range(3)]
             for pin in pins:
                 target = next(f for f in fakes if f.url == pinned_to(pin))
@@ -368,7 +369,12 @@ async def test_two_workers_pin_the_same_cookie_the_same_way(fleet):
                 assert generations(target) == before + 8
     finally:
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
+        try:
+            _, stderr = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate()
+            raise AssertionError(f"gymproxy did not stop within 30 s of SIGTERM:\n{stderr.decode()}") from None
     assert process.returncode == 0, stderr.decode()
 
 
