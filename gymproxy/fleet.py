@@ -31,6 +31,7 @@ from .config import Config, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
     NotConnected,
+    NotReady,
     NoUpstream,
     Saturated,
     Unavailable,
@@ -243,6 +244,8 @@ class Fleet:
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
         `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
+        if self.upstreams and all(u.closed is not None for u in self.upstreams):
+            raise self._not_ready()
         extra = (query, headers, session_id)
         loop = asyncio.get_running_loop()
         holds = self.holds
@@ -316,6 +319,12 @@ class Fleet:
                 await self.engines.resumed(upstream, tries.hold_until, size)
             elif action != HERE and decision.wait > 0:
                 await asyncio.sleep(decision.wait)
+
+    def _not_ready(self) -> NotReady:
+        """Nothing to send to: every upstream is closed by its owner (launched replicas loading or
+        restarting). Answered at once, with Retry-After, naming each and why."""
+        why = "; ".join(f"upstream {u.url} is not serving: {u.closed}" for u in self.upstreams)
+        return NotReady(f"no upstream is ready yet ({why}); see /health, and retry in a while")
 
     def _given_up(self, error: GymproxyError, decision: Decision, tries: Attempts) -> GymproxyError:
         """The error the client hears when `decision` ends the request."""
