@@ -413,6 +413,7 @@ class Fleet:
             self._count(upstream, 0)
             raise self._failure(upstream, url, exc) from exc
         self._count(upstream, reply.status)
+        upstream.answered = True
         if not upstream.healthy:
             self.mark(upstream, True)  # it answered: whatever the last check said, it is up
             self._joined(upstream)
@@ -456,10 +457,13 @@ class Fleet:
             return
         ok, why, result = await health.check(self.client, upstream, self.config.health.timeout)
         self.health_checks[(upstream.name, result)] += 1
-        # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row.
+        # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row. One
+        # that never answered (a vLLM still loading its model) is down at its first failed check,
+        # so /health does not call gymproxy ready before any upstream has answered.
         upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
-        if ok or upstream.failed_checks >= HEALTH_FAILURES:
+        if ok or upstream.failed_checks >= HEALTH_FAILURES or not upstream.answered:
             self.mark(upstream, ok, why)
+        upstream.answered = upstream.answered or ok
         if ok:
             self._joined(upstream)
 
@@ -495,10 +499,10 @@ class Fleet:
             self.pinner.joined(upstream.name)
 
     async def watch_health(self) -> None:
-        """Check every `health.interval` seconds, for as long as the app runs."""
+        """Check at once, then every `health.interval` seconds, for as long as the app runs."""
         while True:
-            await asyncio.sleep(self.config.health.interval)
             await self.check_health()
+            await asyncio.sleep(self.config.health.interval)
 
     async def probe(self) -> None:
         """Log each upstream and whether its /v1/models answered, naming the URL tried."""
