@@ -82,8 +82,8 @@ def _serve_launched(config: Config, workers: int, reload: Loader) -> None:
         else:
             serve_workers(launcher.config, workers, reload=reload, launcher=launcher)
     except launch.LaunchFailed as exc:
-        log.error("%s", exc)
-        print(f"gymproxy: {exc}", file=sys.stderr)
+        log.error("%s; its last lines:\n%s", exc, exc.last_lines)
+        print(f"gymproxy: {exc}", file=sys.stderr)  # the last line: the cause, and a hint
         raise SystemExit(1) from None
 
 
@@ -120,10 +120,11 @@ def serve_workers(
     (`workers.Workers`, `workers.*` in the config).
 
     With `launcher`, this parent runs the vLLM replicas (on an event loop it steps while it watches
-    the workers), starts the workers once one replica is ready, and stops the replicas after the
-    workers have drained. Each worker finds a replica that died on its next request there (refused:
-    marked down, the request re-sent) or health check, and shows their states, which this parent
-    writes to the private directory, in /health.
+    the workers) and starts the workers at once, so the port opens while the replicas load; it
+    stops the replicas after the workers have drained, and stops everything (`LaunchFailed`) if
+    every replica fails before one is ready. The workers follow the replicas' states, which this
+    parent writes to the private directory: /health shows them, and a worker sends nothing to a
+    replica that is not ready (requests meanwhile get a 503 with Retry-After naming them).
     """
     if config.pinning.secret is None:
         secret = os.environ[config.pinning.secret_env] = secrets.token_hex(32)
@@ -139,16 +140,13 @@ def serve_workers(
     stepping = None
     if launcher is not None:
         stepping = asyncio.new_event_loop()
-        ready = False
         try:
-            ready = stepping.run_until_complete(_first_ready(launcher))
-        finally:
-            if not ready:
-                stepping.run_until_complete(launcher.stop())
-                stepping.close()
-                runtime.remove()
-        if not ready:
-            return
+            stepping.run_until_complete(launcher.start())
+        except BaseException:
+            stepping.run_until_complete(launcher.stop())
+            stepping.close()
+            runtime.remove()
+            raise
         _write_states(replicas, launcher)
         # At once, not at the next step: a worker sends nothing to a replica the file says is down.
         launcher.on_down = lambda name, why: _write_states(replicas, launcher)
@@ -165,7 +163,7 @@ def serve_workers(
     signal.signal(signal.SIGHUP, lambda signum, frame: pool.forward())
     signal.signal(signal.SIGTERM, lambda signum, frame: pool.terminate())
     signal.signal(signal.SIGINT, lambda signum, frame: pool.terminate())
-    failed = None
+    failed: WorkersFailed | launch.LaunchFailed | None = None
     try:
         pool.start()
         log.info(
@@ -183,11 +181,13 @@ def serve_workers(
                 stepping.run_until_complete(asyncio.sleep(TICK_S))
                 pool.watch(0)
                 _write_states(replicas, launcher)
+                if launcher.failure is not None:
+                    raise launcher.failure
             if fake is not None and not fake.is_alive():
                 raise WorkersFailed(f"the bundled fake vLLM exited with {fake.exitcode}")
-    except WorkersFailed as exc:
+    except (WorkersFailed, launch.LaunchFailed) as exc:
         failed = exc
-        log.error("%s: stopping", exc)
+        log.error("%s: stopping", exc if isinstance(exc, WorkersFailed) else "no vLLM replica could start")
     finally:
         pool.terminate()
         if launcher is not None:
@@ -200,24 +200,12 @@ def serve_workers(
             stepping.run_until_complete(launcher.stop())
             stepping.close()
         runtime.remove()
+    if isinstance(failed, launch.LaunchFailed):
+        raise failed
     if failed is not None:
         raise SystemExit(f"gymproxy: {failed}")
     if any(code not in (0, -signal.SIGTERM, None) for code in codes):
         raise SystemExit(f"gymproxy: a worker exited with {codes}")
-
-
-async def _first_ready(launcher: launch.Launcher) -> bool:
-    """Start the replicas; True once one is ready, False on SIGTERM or SIGINT first."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await launcher.start()
-        return await launcher.wait_ready(stop)
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
 
 
 def _write_states(path: Path | None, launcher: launch.Launcher) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import logging
 import os
 import re
 import shlex
@@ -539,6 +540,7 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
     section = dict(section)
     _read_old_session_header(section)
     _split_launch_args(section)
+    _reasoning_parser_default(section)
     if isinstance(section.get("base_url"), str):
         section["base_url"] = [section["base_url"]]
     if section.get("reasoning_field") is None:
@@ -592,6 +594,26 @@ def _split_launch_args(section: dict[str, Any]) -> None:
             for k, v in launch["env"].items()
         }
     section["launch"] = launch
+
+
+def _reasoning_parser_default(section: dict[str, Any]) -> None:
+    """A launched vLLM with `--reasoning-parser` returns reasoning in its own field, so
+    `uses_reasoning_parser` defaults to true then; a config that sets it keeps its word (logged)."""
+    launch = section.get("launch")
+    args = launch.get("args") if isinstance(launch, dict) else None
+    if not isinstance(args, list) or not any(
+        str(arg) == "--reasoning-parser" or str(arg).startswith("--reasoning-parser=") for arg in args
+    ):
+        return
+    log = logging.getLogger("gymproxy")
+    if "uses_reasoning_parser" not in section:
+        section["uses_reasoning_parser"] = True
+        log.info("launch.args has --reasoning-parser: uses_reasoning_parser is true (set it to say otherwise)")
+    elif str(section["uses_reasoning_parser"]).lower() in ("false", "0", "no"):
+        log.warning(
+            "launch.args has --reasoning-parser, but the config sets uses_reasoning_parser: false; "
+            "replies' reasoning is read as the config says"
+        )
 
 
 def _read_old_session_header(section: dict[str, Any]) -> None:

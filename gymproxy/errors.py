@@ -18,6 +18,7 @@ GymproxyError                   500 server_error
 │   └── UpstreamTimeout         504 upstream_error
 └── Unavailable                 503 upstream_error          (and: gymproxy is shutting down)
     ├── NoUpstream              (every upstream is down)
+    │   └── NotReady            (none is ready yet: launched replicas loading or restarting; with Retry-After)
     ├── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
     └── HoldOver                (held for a paused fleet or engine past `hold.*`; with Retry-After)
 
@@ -192,6 +193,14 @@ class Unavailable(GymproxyError):
 
 class NoUpstream(Unavailable):
     """No healthy upstream is left to serve the request."""
+
+
+class NotReady(NoUpstream):
+    """Every upstream is one whose owner says it is not serving yet (vLLM replicas gymproxy launched,
+    loading or restarting): the message names each and why; a retry later may succeed."""
+
+    code = "not_ready"
+    retry_after = 5
 
 
 class Saturated(Unavailable):

@@ -31,6 +31,7 @@ from .config import Config, UpstreamSpec, upstream_specs
 from .errors import (
     GymproxyError,
     NotConnected,
+    NotReady,
     NoUpstream,
     Saturated,
     Unavailable,
@@ -243,6 +244,8 @@ class Fleet:
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
         `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
+        if self.upstreams and all(u.closed is not None for u in self.upstreams):
+            raise self._not_ready()
         extra = (query, headers, session_id)
         loop = asyncio.get_running_loop()
         holds = self.holds
@@ -316,6 +319,12 @@ class Fleet:
                 await self.engines.resumed(upstream, tries.hold_until, size)
             elif action != HERE and decision.wait > 0:
                 await asyncio.sleep(decision.wait)
+
+    def _not_ready(self) -> NotReady:
+        """Nothing to send to: every upstream is closed by its owner (launched replicas loading or
+        restarting). Answered at once, with Retry-After, naming each and why."""
+        why = "; ".join(f"upstream {u.url} is not serving: {u.closed}" for u in self.upstreams)
+        return NotReady(f"no upstream is ready yet ({why}); see /health, and retry in a while")
 
     def _given_up(self, error: GymproxyError, decision: Decision, tries: Attempts) -> GymproxyError:
         """The error the client hears when `decision` ends the request."""
@@ -404,6 +413,7 @@ class Fleet:
             self._count(upstream, 0)
             raise self._failure(upstream, url, exc) from exc
         self._count(upstream, reply.status)
+        upstream.answered = True
         if not upstream.healthy:
             self.mark(upstream, True)  # it answered: whatever the last check said, it is up
             self._joined(upstream)
@@ -447,10 +457,13 @@ class Fleet:
             return
         ok, why, result = await health.check(self.client, upstream, self.config.health.timeout)
         self.health_checks[(upstream.name, result)] += 1
-        # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row.
+        # One slow answer from a busy server is no outage: it takes HEALTH_FAILURES in a row. One
+        # that never answered (a vLLM still loading its model) is down at its first failed check,
+        # so /health does not call gymproxy ready before any upstream has answered.
         upstream.failed_checks = 0 if ok else upstream.failed_checks + 1
-        if ok or upstream.failed_checks >= HEALTH_FAILURES:
+        if ok or upstream.failed_checks >= HEALTH_FAILURES or not upstream.answered:
             self.mark(upstream, ok, why)
+        upstream.answered = upstream.answered or ok
         if ok:
             self._joined(upstream)
 
@@ -486,10 +499,10 @@ class Fleet:
             self.pinner.joined(upstream.name)
 
     async def watch_health(self) -> None:
-        """Check every `health.interval` seconds, for as long as the app runs."""
+        """Check at once, then every `health.interval` seconds, for as long as the app runs."""
         while True:
-            await asyncio.sleep(self.config.health.interval)
             await self.check_health()
+            await asyncio.sleep(self.config.health.interval)
 
     async def probe(self) -> None:
         """Log each upstream and whether its /v1/models answered, naming the URL tried."""

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 import msgspec
 
+from . import vllm_errors
 from .config import Config, ConfigError, Launch, UpstreamSpec
 
 log = logging.getLogger("gymproxy")
@@ -52,12 +53,13 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # `access.fleet_control` sets it to 1 for
 # needs it to download a gated model.
 DROPPED_ENV = ("OPENAI_API_KEY",)
 SECRET_MIN = 8  # an environment value equal to one of gymproxy's secrets this long or longer is dropped
-TAIL_LINES = 20
+TAIL_LINES = 200  # output lines of a replica's latest life kept, to find why it failed (`vllm_errors`)
+SHOWN_LINES = 20  # ... and shown with an error
 LINE_MAX = 4096  # characters of one output line kept; the rest is cut (a replica may print anything)
 READY_POLL_S = 0.5
 EXIT_POLL_S = 0.05  # how often a replica's exit is looked for without pidfds
 REAP_POLL_S = 0.002  # ... and once its pidfd said it exited, until the child watcher has reaped it
-TAIL_BYTES = TAIL_LINES * LINE_MAX
+TAIL_BYTES = 64 * 1024  # read back from the end of a replica's file (`launch.log_dir`) for its tail
 # A replica's output pipe is drained at most this often, in bulk (a chatty vLLM prints a line per
 # request), and is made this big meanwhile (Linux; the default is 64 KiB).
 PUMP_PAUSE_S = 0.05
@@ -67,7 +69,9 @@ LOG_RATE = 100  # lines a second of one replica's output logged, past a burst of
 LOG_BURST = 2000  # (vLLM's startup prints a few hundred)
 DROPPED_REPORT_S = 10.0  # how often the count of lines not logged is
 HEALTH_TIMEOUT_S = 2.0
-WATCH_POLL_S = 5.0  # a ready replica's /health is asked this often (at most), for `launch.unresponsive_s`
+# A ready replica's /health is asked this often (at most): an answer other than 200 (vLLM's engine
+# died) shows it `unhealthy` at once, and no answer for `launch.unresponsive_s` gets it restarted.
+WATCH_POLL_S = 1.0
 LEFTOVER_GRACE_S = 5.0  # after a replica's main process exits, what is left of its group gets this long
 REAPER = Path(__file__).with_name("reaper.py")
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -117,7 +121,12 @@ class LogBudget:
 
 
 class LaunchFailed(Exception):
-    """Startup failed: no replica became ready; the message says which one failed, how, and its last lines."""
+    """Startup failed: no replica became ready. The message is one line: which replica failed, how,
+    the cause its output gives and a hint; `last_lines` are its last lines of output."""
+
+    def __init__(self, message: str, last_lines: str) -> None:
+        super().__init__(message)
+        self.last_lines = last_lines
 
 
 class Replica:
@@ -143,6 +152,11 @@ class Replica:
         self.exit_code: int | None = None
         self.error: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.partial = ""  # the line it is printing now (no newline yet: a progress bar redrawn in place)
+        self.printed: float | None = None  # time.time() of its latest output
+        self.started_at: float | None = None  # time.time() of its latest start
+        # What its output must not show anywhere gymproxy repeats it (/health, the cause of a failure).
+        self.secrets = _secrets_of(api_key, env, argv)
         self.log_start = 0  # with `log_dir`: where its latest life's output starts in its file
         self.stranger: str | None = None  # why the server on its port is not it, while that is so
         self.guard: socket.socket | None = None  # what holds its port while gymproxy runs (`hold_port`)
@@ -157,6 +171,7 @@ class Replica:
             "pid": self.process.pid if running and self.process is not None else None,
             "gpus": self.devices,
             "starts": self.starts,
+            "started_at": None if self.started_at is None else round(self.started_at),
             "ready_after_s": None if self.ready_after is None else round(self.ready_after, 1),
             "exit_code": self.exit_code,
             "error": self.error,
@@ -165,7 +180,34 @@ class Replica:
     def last_lines(self) -> str:
         if not self.tail:
             return "  (it printed nothing)"
-        return "\n".join(f"  [{self.name}] {line}" for line in self.tail)
+        return "\n".join(f"  [{self.name}] {line}" for line in list(self.tail)[-SHOWN_LINES:])
+
+    def newest(self) -> str:
+        """The line it printed last (the one being drawn, if any), and how long ago, for progress reports."""
+        line = self.partial or (self.tail[-1] if self.tail else "")
+        if not line or self.printed is None:
+            return "it printed nothing yet"
+        return f"its newest line ({time.time() - self.printed:.0f} s ago): {line}"
+
+    def cause(self) -> str | None:
+        """Why its latest life failed, as its output says (`vllm_errors.cause`), with secrets masked."""
+        found = vllm_errors.cause([*self.tail, self.partial] if self.partial else list(self.tail))
+        return None if found is None else self.redact(found)
+
+    def redact(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "****")
+        return text
+
+
+def _secrets_of(api_key: str, env: Mapping[str, str], argv: Sequence[str]) -> list[str]:
+    """The replica's key, the values of its secret-looking variables and flags (`shown_command`'s)."""
+    found = {api_key, *(value for name, value in env.items() if _SECRET.search(name))}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name.startswith("--") and _SECRET.search(name):
+            found.add(value if eq else (argv[i + 1] if i + 1 < len(argv) else ""))
+    return sorted((s for s in found if len(s) >= SECRET_MIN), key=len, reverse=True)
 
 
 def prepare(config: Config, environ: Mapping[str, str] = os.environ) -> Launcher:
@@ -484,8 +526,7 @@ class Launcher:
             while True:
                 if self.failure is not None:
                     raise self.failure
-                if any(r.state == "ready" for r in self.replicas):
-                    self.serving = True
+                if self.serving:
                     return True
                 if stop.is_set():
                     return False
@@ -534,10 +575,9 @@ class Launcher:
             why = await self._run(replica)
             if self._stopping.is_set():
                 return
-            if not self.serving and not any(r.state == "ready" for r in self.replicas):
+            if not self.serving:  # no replica was ever ready: startup failed
                 self._fail(replica, why)
                 return
-            self.serving = True
             now = time.monotonic()
             while replica.restarts and now - replica.restarts[0] > policy.window_s:
                 replica.restarts.popleft()
@@ -585,10 +625,19 @@ class Launcher:
         replica.state = "failed"
         replica.error = why
         where = f"; its whole log: {self._log_path(replica)}" if self.launch.log_dir else ""
+        advice = vllm_errors.hint("\n".join([why, *replica.tail]), self.launch.model, replica.env)
         self.failure = LaunchFailed(
-            f"startup failed: {replica.name} {why}{where}; its last {len(replica.tail)} lines:\n{replica.last_lines()}"
+            f"startup failed: {replica.name} {why}{where}" + (f"; hint: {advice}" if advice else ""),
+            replica.last_lines(),
         )
         self._changed.set()
+
+    def _loading(self, replica: Replica) -> None:
+        """It printed its first output: loading. The fleet's reason for holding it says so (a request
+        before any replica is ready is answered with every replica's reason)."""
+        replica.state = "loading"
+        if not self._stopping.is_set():
+            self._tell(self.on_down, replica.name, f"{replica.name} is loading")
 
     async def _run(self, replica: Replica) -> str:
         """One life of `replica`, from its start to its exit; returns why it ended."""
@@ -598,8 +647,9 @@ class Launcher:
         if self._taken(replica):
             return f"cannot start: port {replica.port} is taken by another process"
         replica.starts += 1
-        replica.started = time.monotonic()
+        replica.started, replica.started_at = time.monotonic(), time.time()
         replica.tail.clear()  # an error names the lines of the life that failed
+        replica.partial, replica.printed = "", None
         command = shown_command(replica.argv)
         log.info("%s starting (port %d): %s", replica.name, replica.port, command)
         # With log_dir the replica writes its file itself: its output never passes through this
@@ -648,6 +698,7 @@ class Launcher:
                 replica.state = "ready"
                 replica.ready_after = time.monotonic() - replica.started
                 replica.error = None
+                self.serving = True  # past startup: from now on an exit is restarted, not fatal
                 log.info("%s ready after %.0f s at %s", replica.name, replica.ready_after, replica.url)
                 self._changed.set()
                 self._tell(self.on_ready, replica.name)
@@ -681,6 +732,9 @@ class Launcher:
             self._tell_reaper(f"-{process.pid}")
             self._read_tail(replica)
         replica.exit_code = process.returncode
+        found = replica.cause() if process.returncode else None
+        if found is not None:
+            why = f"{why}: {found}" if replica.ready_after is None else f"{why} (the last error in its output: {found})"
         if replica.ready_after is None and replica.guard is not None and self._cannot_bind(replica):
             why += (
                 "; gymproxy holds its port with SO_REUSEPORT (launch.hold_ports), which a vLLM that does not"
@@ -720,14 +774,13 @@ class Launcher:
             now = time.monotonic()
             if now >= report:
                 report = now + self.launch.progress_interval_s
-                last = replica.tail[-1] if replica.tail else "(nothing printed yet)"
                 log.info(
-                    "%s still %s after %.0f s (pid %s); last line: %s",
+                    "%s still %s after %.0f s (pid %s); %s",
                     replica.name,
                     replica.state,
                     now - replica.started,
                     replica.process.pid if replica.process else "-",
-                    last,
+                    replica.newest(),
                 )
 
     def _taken(self, replica: Replica) -> bool:
@@ -762,19 +815,34 @@ class Launcher:
         return False
 
     async def _until_hung(self, replica: Replica) -> None:
-        """Return once the ready replica's /health has not answered 200 for `launch.unresponsive_s`."""
+        """Watch the ready replica's /health until it has not answered at all for
+        `launch.unresponsive_s` (then return). An answer other than 200 (vLLM's engine died: the
+        process exits soon) shows it `unhealthy` at once, and the fleet sends it nothing; a 200
+        makes it ready again."""
         limit = self.launch.unresponsive_s
-        if limit is None:
-            await asyncio.get_running_loop().create_future()  # never: the exit ends the wait
-            return
-        poll = min(WATCH_POLL_S, limit / 4)
+        poll = WATCH_POLL_S if limit is None else min(WATCH_POLL_S, limit / 4)
         answered = time.monotonic()
         while True:
             await asyncio.sleep(poll)
-            if await _healthy(replica.port, timeout=min(limit, WATCH_POLL_S)):
+            status = await _status(
+                replica.port, "/health", timeout=HEALTH_TIMEOUT_S if limit is None else min(limit, HEALTH_TIMEOUT_S)
+            )
+            if status is not None:
                 answered = time.monotonic()
-            elif time.monotonic() - answered >= limit:
+                self._answered(replica, status)
+            elif limit is not None and time.monotonic() - answered >= limit:
                 return
+
+    def _answered(self, replica: Replica, status: int) -> None:
+        """What a ready (or unhealthy) replica's /health answered."""
+        if status != 200 and replica.state == "ready":
+            replica.state, replica.error = "unhealthy", f"its /health answered {status}"
+            log.warning("%s is unhealthy: its /health answered %d", replica.name, status)
+            self._down(replica)
+        elif status == 200 and replica.state == "unhealthy":
+            replica.state, replica.error = "ready", None
+            log.info("%s is healthy again", replica.name)
+            self._tell(self.on_ready, replica.name)
 
     async def _pump(self, replica: Replica, pipe: int | None) -> None:
         """Copy the replica's output to gymproxy's log (None: it writes its file), cheaply however
@@ -801,6 +869,9 @@ class Launcher:
                 if len(pending) > 4 * LINE_MAX:  # no newline in sight: take it as a line
                     lines.append(pending)
                     pending = b""
+                if data:
+                    replica.printed = time.time()
+                    replica.partial = shown_line(pending) if pending.strip() else ""
                 self._lines(replica, lines, budget)
                 if ended:
                     break
@@ -815,9 +886,11 @@ class Launcher:
         budget allows to the log."""
         lines = [line for line in lines if line.strip()]
         if not lines:
+            if replica.partial and replica.state == "starting":
+                self._loading(replica)
             return
         if replica.state == "starting":
-            replica.state = "loading"
+            self._loading(replica)
         replica.tail.extend(text for text in map(shown_line, lines[-TAIL_LINES:]) if text.strip())
         quiet = not log.isEnabledFor(logging.DEBUG)
         for raw in lines[: budget.take(len(lines))]:
@@ -850,13 +923,16 @@ class Launcher:
                 size = file.seek(0, os.SEEK_END)
                 file.seek(max(replica.log_start, size - TAIL_BYTES))
                 data = file.read()
+                printed = os.fstat(file.fileno()).st_mtime
         except OSError:
             return
         if data and replica.state == "starting":
-            replica.state = "loading"
+            self._loading(replica)
         lines = [shown_line(line) for line in data.split(b"\n")]
         replica.tail.clear()
         replica.tail.extend(line for line in lines if line.strip())
+        if data:
+            replica.printed = printed
 
     def _log_path(self, replica: Replica) -> Path:
         assert self.launch.log_dir is not None

@@ -193,6 +193,10 @@ def number(value: float) -> str:
 # own circuit breaker) and keeps one series per worker, labelled `worker`.
 SUMMED_GAUGES = frozenset({"gymproxy_upstream_inflight", "gymproxy_held_requests"})
 SUMMED_KINDS = frozenset({"counter", "histogram", "summary", "untyped"})
+# Facts of the parent process that every worker repeats (the launched replicas: the parent runs
+# them and writes their states for the workers): taken once, from the first worker that has them,
+# so a restart is not counted once per worker.
+SHARED = frozenset({"gymproxy_replica_ready", "gymproxy_replica_starts_total"})
 
 
 class _Family:
@@ -209,7 +213,7 @@ def merge(texts: Sequence[str | None]) -> str:
 
     Counters and histogram buckets, sums and counts add up per label set, so a rate over the result
     counts each request once. Gauges in `SUMMED_GAUGES` add up too; every other gauge gets a
-    `worker` label. `gymproxy_metrics_workers`, `gymproxy_metrics_workers_missing` and
+    `worker` label; those in `SHARED` are taken once. `gymproxy_metrics_workers`, `gymproxy_metrics_workers_missing` and
     `gymproxy_metrics_worker_up{worker}` say whose numbers are in it.
     """
     families: dict[str, _Family] = {}
@@ -250,6 +254,9 @@ def _fold(families: dict[str, _Family], text: str, worker: str) -> None:
         if not line:
             continue
         series, _, value = line.rpartition(" ")
+        if series.partition("{")[0] in SHARED:
+            family.samples.setdefault(series, float(value))
+            continue
         if family.kind not in SUMMED_KINDS and not _summed_gauge(series):
             series = _with_worker(series, worker)
         family.samples[series] = family.samples.get(series, 0.0) + float(value)

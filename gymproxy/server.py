@@ -10,7 +10,9 @@ the same way, with its own cap (`access.admin_max_connections`). On SIGTERM or S
 listener closes, requests in flight get `shutdown_grace_s`, and then the ones still running are
 ended (streams with their terminal event; `plugin.setup` keeps the grace). A plugin leaves the
 listener and the process to its host app. With `launch` (a `launch.Launcher`), the vLLM replicas
-start first, the listener opens once one of them is ready, and they are stopped after the drain.
+start and the listener opens at once: /health lists the replicas while they load (503 until one is
+ready), and requests meanwhile get a 503 with Retry-After naming them (`fleet.NotReady`). If every
+replica fails before one is ready, gymproxy drains and stops; the replicas are stopped after the drain.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from aiohttp import web
 from . import __version__
 from .config import Config, ConfigError
 from .errors import quiet_malformed_requests
-from .launch import Launcher
+from .launch import Launcher, LaunchFailed
 from .listener import ConnectionCap
 from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
@@ -105,16 +107,27 @@ async def _serve(
     if launcher is None:
         await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, None, replicas, lifeline)
         return
+    failed = asyncio.ensure_future(_until_failed(launcher, stop))
     try:
         await launcher.start()
-        if await launcher.wait_ready(stop):
-            await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, launcher)
-        else:
-            log.info("stopping before any vLLM replica was ready")
+        await _serve_app(config, fake_port, reuse_port, reload, overlay, peers, stop, launcher)
     finally:
+        failed.cancel()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         await launcher.stop()
+    if launcher.failure is not None:
+        raise launcher.failure
+
+
+async def _until_failed(launcher: Launcher, stop: asyncio.Event) -> None:
+    """Set `stop` if startup fails (no replica was ever ready, and one failed); past the first
+    ready replica, failures are restarts (`launch.restart`) and gymproxy serves on."""
+    try:
+        await launcher.wait_ready(stop)
+    except LaunchFailed:
+        log.error("no vLLM replica could start: stopping")
+        stop.set()
 
 
 async def _serve_app(

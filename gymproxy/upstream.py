@@ -64,6 +64,7 @@ class Upstream:
         "healthy",
         "fresh",
         "failed_checks",
+        "answered",
         "closed",
         "breaker",
         "meter",
@@ -86,6 +87,7 @@ class Upstream:
         self.healthy = True
         self.fresh = False  # added live and not yet seen healthy: takes no sessions while others can
         self.failed_checks = 0  # consecutive failed health checks
+        self.answered = False  # it has answered once (a health check, a request): see `Fleet._check`
         self.closed: str | None = None  # why its owner (the launcher) says it is not serving; see `Fleet.close`
         self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
         self.meter = Pace(config.pinning.pace.window_s)

@@ -8,7 +8,11 @@ every later one, replica 1 prints for 2 s before it serves. Actions: `ok`, `exit
 listening), `slow<seconds>`, `hang` (never listens), `garbage` (prints junk, then serves),
 `stubborn` (serves, ignoring SIGTERM), `chatty<lines a second>` (serves, printing that many lines
 a second, each flushed, as vLLM's logging does), `nokey` (serves, checking no API key, as a
-wrapper that drops VLLM_API_KEY would), and `noreuse`. It binds its port as vLLM 0.32 does with one API server: SO_REUSEADDR, no
+wrapper that drops VLLM_API_KEY would), `progress<seconds>` (redraws a
+progress bar in place, with no newline, for that long, then serves), `nomodel` (fails as vLLM does
+on a model name that does not resolve: a prefixed traceback, exit 1), `sick<seconds>` (serves, and
+after that long its /health answers 503 while the process stays up, as when vLLM's engine dies),
+and `noreuse`. It binds its port as vLLM 0.32 does with one API server: SO_REUSEADDR, no
 SO_REUSEPORT; with FAKE_VLLM_REUSE_PORT=1, with SO_REUSEPORT too (as vLLM's `--api-server-count` > 1,
 which `launch.hold_ports` needs), unless the action is `noreuse`. The last action of a list repeats; unlisted
 replicas are `ok`. Each start appends `<replica> <start> <pid> <child pid>` to $FAKE_VLLM_DIR/pids
@@ -77,6 +81,17 @@ def main() -> None:
         while time.monotonic() < until:
             print("INFO Loading weights...", flush=True)
             time.sleep(0.2)
+    if action.startswith("progress"):
+        until = time.monotonic() + float(action[8:])
+        step = 0
+        while time.monotonic() < until:
+            step += 1
+            sys.stdout.write(f"\rLoading safetensors checkpoint shards: step {step} ")
+            sys.stdout.flush()
+            time.sleep(0.1)
+        print(flush=True)
+    if action == "nomodel":
+        unknown_model(model)
     if action == "garbage":
         sys.stdout.buffer.write(b"\x00\x1b[31m\xff\xfe binary junk\r\n" + b"x" * 20000 + b"\nno newline at the end")
         sys.stdout.buffer.write(b"\n")
@@ -101,6 +116,16 @@ def main() -> None:
             return await handler(request)
 
         app.middlewares.append(authenticate)
+    if action.startswith("sick"):
+        sick_after = time.monotonic() + float(action[4:])
+
+        @web.middleware
+        async def engine_dead(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path == "/health" and time.monotonic() >= sick_after:
+                return web.Response(status=503)
+            return await handler(request)
+
+        app.middlewares.append(engine_dead)
     print(f"INFO Starting vLLM API server on http://127.0.0.1:{port}", flush=True)
     web.run_app(
         app,
@@ -111,6 +136,32 @@ def main() -> None:
         handle_signals=action != "stubborn",
         reuse_port=os.environ.get("FAKE_VLLM_REUSE_PORT") == "1" and action != "noreuse",
     )
+
+
+def unknown_model(model: str) -> None:
+    """What vLLM prints, in its shape, when `model` is neither a repository nor a directory."""
+    api = "(APIServer pid=4242)"
+    lines = [
+        f"{api} INFO 12-06 10:00:00 [utils.py:253] non-default args: {{'model_tag': '{model}'}}",
+        f"{api} Traceback (most recent call last):",
+        f'{api}   File "/venv/bin/vllm", line 10, in <module>',
+        f"{api}     sys.exit(main())",
+        f'{api}   File "/venv/lib/python3.12/site-packages/vllm/entrypoints/cli/main.py", line 73, in main',
+        f"{api}     args.dispatch_function(args)",
+        f'{api}   File "/venv/lib/python3.12/site-packages/vllm/engine/arg_utils.py", line 1130, in create_model_config',
+        f"{api}     return ModelConfig(",
+        f"{api}            ^^^^^^^^^^^^",
+        f"{api} pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        f"{api}   Value error, Invalid repository ID or local directory specified: '{model}'.",
+        f"{api} Please verify the following requirements:",
+        f"{api} 1. Provide a valid Hugging Face repository ID.",
+        f"{api} 2. Specify a local directory that contains a recognized configuration file.",
+        f"{api}    - For Hugging Face models: ensure the presence of a 'config.json'.",
+        f"{api}  [type=value_error, input_value=ArgsKwargs((), {{'model': '{model}'}}), input_type=ArgsKwargs]",
+        f"{api}     For further information visit https://errors.pydantic.dev/2.12/v/value_error",
+    ]
+    print("\n".join(lines), flush=True)
+    raise SystemExit(1)
 
 
 def chatter(per_second: float) -> None:

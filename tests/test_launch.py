@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -117,6 +118,12 @@ class Gym:
     def wait_listening(self) -> None:
         self.wait_log(" listening on http://")
 
+    def wait_serving(self) -> None:
+        """Listening (at once), and one replica ready: /health answers 200."""
+        self.wait_listening()
+        wait_until(lambda: self.health().get("status") == "ok" or self.process.poll() is not None, "a replica ready")
+        assert self.process.poll() is None, self.log[-4000:]
+
     def wait_exit(self, timeout: float = WAIT_S) -> int:
         try:
             return self.process.wait(timeout)
@@ -221,9 +228,8 @@ def test_serves_once_one_replica_is_ready_and_reports_the_others(tmp_path: Path,
         plan="0=garbage;1=slow4",
     )
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     # vllm-1 prints for 4 s before it listens: gymproxy serves without it, and says so.
-    assert gym.replica("vllm-0")["state"] == "ready"
     assert gym.replica("vllm-1")["state"] in ("starting", "loading")
     assert gym.upstream("vllm-1")["state"] == "starting" and not gym.upstream("vllm-1")["healthy"]
     assert gym.chat()[0] == 200
@@ -242,14 +248,119 @@ def test_serves_once_one_replica_is_ready_and_reports_the_others(tmp_path: Path,
     assert not [pid for pid in gym.pids() if alive(pid)]
 
 
+def raw_post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], dict[str, Any], float]:
+    """Status, headers, JSON body and seconds taken of one POST."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, dict(reply.headers), json.load(reply), time.monotonic() - started
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.load(exc), time.monotonic() - started
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_port_opens_at_once_and_says_which_replicas_are_loading(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym], workers: int
+):
+    # Both replicas load for seconds (vllm-1 redraws a progress bar in place): gymproxy listens at
+    # once, /health lists them (503: none ready), and a request is answered at once with a 503
+    # and Retry-After naming them; once one is ready, it serves.
+    gym = Gym(
+        tmp_path,
+        vllm_bin,
+        "--launch-vllm",
+        "tiny",
+        "--replicas",
+        "2",
+        "--workers",
+        str(workers),
+        "--set",
+        "launch.progress_interval_s=0.5",
+        "--set",
+        "launch.stop_grace_s=2",
+        plan="0=slow6;1=progress6",
+    )
+    gyms.append(gym)
+    wait_until(lambda: gym.log.count(" listening on http://") == workers or gym.process.poll() is not None, "listening")
+    health = gym.health()
+    assert health["status"] == "unavailable", health
+    assert [r["state"] for r in health["replicas"]] != ["ready", "ready"]
+    wait_until(lambda: {r["state"] for r in gym.health()["replicas"]} == {"loading"}, "both loading")
+    states = gym.health()["replicas"]
+    for replica in states:  # what an operator needs, and no key, command line or environment
+        assert replica["pid"] and replica["started_at"] and replica["ready_after_s"] is None
+        assert not {"api_key", "argv", "env", "command"} & replica.keys()
+    assert "VLLM_API_KEY" not in json.dumps(states) and "--api-key" not in json.dumps(states)
+    status, headers, body, took = raw_post(gym.url + "/v1/chat/completions", CHAT_HI)
+    assert status == 503 and took < 5, (status, took)
+    assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready"
+    message = body["error"]["message"]
+    assert "vllm-0 is loading" in message and "vllm-1 is loading" in message and "retry" in message
+    status, headers, _, _ = raw_post(gym.url + "/v1/responses", {"model": "m", "input": "hi"})
+    assert status == 503 and headers["Retry-After"] == "5"
+    # The progress report quotes the line being drawn now, not the last whole line.
+    gym.wait_log("vllm-1 still loading after")
+    reports = re.findall(r"vllm-1 still loading after \d+ s \(pid \d+\); its newest line \(\d+ s ago\): (.*)", gym.log)
+    assert reports and all("Loading safetensors checkpoint shards: step" in r for r in reports), reports
+    gym.wait_serving()
+    assert gym.chat()[0] == 200
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both ready")
+    assert gym.stop() == 0
+    assert not [pid for pid in gym.pids() if alive(pid)]
+
+
+def test_an_unknown_model_ends_with_one_line_saying_why_and_what_to_check(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    gym = Gym(
+        tmp_path, vllm_bin, "--launch-vllm", "org/no-such-model", *QUICK, plan="0=nomodel", env={"HF_HUB_OFFLINE": "1"}
+    )
+    gyms.append(gym)
+    assert gym.wait_exit() == 1
+    last = gym.log.rstrip().splitlines()[-1]
+    assert last.startswith("gymproxy: startup failed: vllm-0 exited with code 1 while starting (after "), last
+    assert (
+        "ValidationError: 1 validation error for ModelConfig: Invalid repository ID or local directory "
+        "specified: 'org/no-such-model'." in last
+    )
+    assert "hint: check the model 'org/no-such-model' (launch.model, --launch-vllm)" in last
+    assert "no HF_TOKEN is set" in last and "HF_HUB_OFFLINE set: the model must already be in the cache" in last
+    assert "Traceback" in gym.log  # the whole output is in the log above it
+
+
+def test_a_replica_whose_engine_dies_is_shown_unhealthy_at_once(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
+    # vllm-0's /health answers 503 after 3 s while its process stays up (vLLM's engine died); one
+    # that is killed is shown down as soon as it exits.
+    gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK, plan="0=sick3")
+    gyms.append(gym)
+    gym.wait_serving()
+    wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both ready")
+    wait_until(lambda: gym.replica("vllm-0")["state"] == "unhealthy", "vllm-0 unhealthy", timeout=10)
+    assert gym.replica("vllm-0")["error"] == "its /health answered 503"
+    assert gym.upstream("vllm-0")["state"] == "down"
+    assert all(pinned_to(gym.chat()[1]) in (None, "vllm-1") for _ in range(10))
+    pid = gym.replica("vllm-1")["pid"]
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: gym.replica("vllm-1")["state"] != "ready", "vllm-1 shown down")
+    assert time.monotonic() - killed < 1.0
+    assert gym.stop() == 0
+
+
 def test_a_replica_that_exits_while_starting_fails_startup(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", plan="0=exit3;1=slow20")
     gyms.append(gym)
     assert gym.wait_exit() == 1
     log = gym.log
-    assert "gymproxy: startup failed: vllm-0 exited with code 3 while starting" in log
     assert "  [vllm-0] ERROR fake vllm: something went wrong while loading" in log  # its last lines
-    assert " listening on " not in log
+    # The last line says why, in one line: the cause its output gives.
+    assert (
+        log.rstrip()
+        .splitlines()[-1]
+        .startswith("gymproxy: startup failed: vllm-0 exited with code 3 while starting (after ")
+    )
+    assert log.rstrip().endswith("s): fake vllm: something went wrong while loading")
     wait_until(lambda: not [pid for pid in gym.pids() if alive(pid)], "every replica process gone")
 
 
@@ -283,7 +394,7 @@ def test_a_replica_that_crashes_is_restarted_and_takes_new_sessions_only(
 ):
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK)
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
     wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
     cookies = [gym.chat()[1] for _ in range(12)]
@@ -323,7 +434,7 @@ def test_a_replica_that_hangs_is_stopped_and_restarted(tmp_path: Path, vllm_bin:
         tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", "--set", "launch.unresponsive_s=1", *QUICK
     )
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
     wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
     hung = gym.replica("vllm-0")
@@ -354,7 +465,7 @@ def test_a_crash_loop_is_given_up_and_shown_in_health(tmp_path: Path, vllm_bin: 
         plan="0=ok,exit7",
     )
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     wait_until(lambda: gym.replica("vllm-0")["state"] == "ready", "vllm-0 ready")
     os.kill(gym.replica("vllm-0")["pid"], signal.SIGKILL)
     wait_until(lambda: gym.replica("vllm-0")["state"] == "failed", "vllm-0 given up")
@@ -373,7 +484,7 @@ def test_sigkill_of_gymproxy_leaves_no_replica_process(tmp_path: Path, vllm_bin:
     # vllm-1 ignores SIGTERM: the reaper kills it after the grace.
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK, plan="1=stubborn")
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     wait_until(lambda: all(r["state"] == "ready" for r in gym.health()["replicas"]), "both replicas ready")
     pids = gym.pids()
     assert len(pids) == 4 and all(alive(pid) for pid in pids)
@@ -385,7 +496,7 @@ def test_sigkill_of_gymproxy_leaves_no_replica_process(tmp_path: Path, vllm_bin:
 def test_sigterm_kills_a_replica_that_ignores_it_after_the_grace(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=stubborn")
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     assert gym.stop() == 0
     assert "vllm-0 did not stop in 2 s: killing it" in gym.log
     assert not [pid for pid in gym.pids() if alive(pid)]
@@ -586,7 +697,7 @@ def test_replicas_serve_with_a_key_of_their_own_and_none_of_gymproxys_secrets(
         env={**secrets_env, "HF_TOKEN": "hf_for_gated_models"},
     )
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     wait_until(lambda: all(u["healthy"] for u in gym.health()["upstreams"]), "both upstreams healthy")
     assert gym.chat()[0] == 200
     keys = []
@@ -624,7 +735,6 @@ def test_a_server_that_does_not_check_the_replicas_key_is_not_taken_for_it(
     log = gym.log
     assert "vllm-0 is not ready: the server on port" in log and "does not check vllm-0's API key" in log
     assert "vllm-0 was not ready within 4 s (launch.startup_timeout_s): the server on port" in log
-    assert " listening on " not in log
 
 
 def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
@@ -632,7 +742,7 @@ def test_a_chatty_replica_is_logged_at_a_bounded_rate(tmp_path: Path, vllm_bin: 
     # gymproxy's log, and the number left out is logged instead.
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=chatty5000")
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     started = time.monotonic()
     wait_until(lambda: gym.log.count("Received request") > LOG_BURST + LOG_RATE // 2, "the burst spent")
     assert gym.chat()[0] == 200
@@ -653,7 +763,7 @@ def test_a_vllm_that_cannot_bind_beside_the_held_port_says_what_to_do(tmp_path: 
     assert "exited with code 1 while starting" in gym.log and "set launch.hold_ports: false" in gym.log
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", *QUICK, plan="0=noreuse")  # hold_ports is off by default
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     assert gym.chat()[0] == 200
     assert gym.stop() == 0
 
@@ -661,7 +771,7 @@ def test_a_vllm_that_cannot_bind_beside_the_held_port_says_what_to_do(tmp_path: 
 def test_sighup_rereads_the_config_and_keeps_the_replicas(tmp_path: Path, vllm_bin: Path, gyms: list[Gym]):
     gym = Gym(tmp_path, vllm_bin, "--launch-vllm", "tiny", "--replicas", "2", *QUICK)
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     gym.process.send_signal(signal.SIGHUP)
     gym.wait_log("fleet reloaded: 2 upstreams; added none, removed none, changed none")
     assert [u["name"] for u in gym.health()["upstreams"]] == ["vllm-0", "vllm-1"]
@@ -745,7 +855,7 @@ def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path
     )
     gym = Gym(tmp_path, vllm_bin, "--config", str(config), "--set", "policy_model_name=org/tiny")
     gyms.append(gym)
-    gym.wait_listening()
+    gym.wait_serving()
     log = gym.log
     assert (
         f"[vllm-0] INFO args: serve org/tiny --data-parallel-size=1 --tensor-parallel-size=1 "
@@ -1071,3 +1181,19 @@ def test_with_fleet_control_replicas_run_in_vllm_dev_mode():
     off = build_config({"port": 0, "launch": {**launch, "base_port": free_ports(2)}}, environ={})
     assert [r.env.get("VLLM_SERVER_DEV_MODE") for r in prepare(on, {"PATH": "/usr/bin"}).replicas] == ["1", "1"]
     assert [r.env.get("VLLM_SERVER_DEV_MODE") for r in prepare(off, {"PATH": "/usr/bin"}).replicas] == [None, None]
+
+
+def test_a_reasoning_parser_in_the_launch_args_sets_uses_reasoning_parser(caplog: pytest.LogCaptureFixture):
+    launch = {"model": "m", "args": "--reasoning-parser qwen3"}
+    with caplog.at_level(logging.INFO, logger="gymproxy"):
+        assert build_config({"launch": launch}, environ={}).uses_reasoning_parser is True
+    assert "launch.args has --reasoning-parser: uses_reasoning_parser is true" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gymproxy"):
+        said = build_config({"launch": launch, "uses_reasoning_parser": False}, environ={})
+    assert said.uses_reasoning_parser is False
+    assert "the config sets uses_reasoning_parser: false" in caplog.text
+    kwargs = {"model": "m", "args": ["--reasoning-parser=deepseek_r1"]}
+    assert build_config({"launch": kwargs}, environ={}).uses_reasoning_parser is True
+    assert build_config({"launch": {"model": "m", "args": "--dtype auto"}}, environ={}).uses_reasoning_parser is False
+    assert build_config({"base_url": "http://h:1/v1"}, environ={}).uses_reasoning_parser is False

@@ -63,6 +63,17 @@ def test_a_missing_worker_is_named_and_left_out():
     assert merged[("gymproxy_metrics_worker_up", (("worker", "2"),))] == 1
 
 
+def test_the_replicas_the_parent_runs_are_counted_once_not_once_per_worker():
+    """Every worker repeats the launched replicas' states its parent writes: a restart is one."""
+    replicas = [
+        ("gymproxy_replica_ready", "gauge", "Ready.", lambda: [('{replica="vllm-0"}', 1)]),
+        ("gymproxy_replica_starts_total", "counter", "Starts.", lambda: [('{replica="vllm-0"}', 2)]),
+    ]
+    merged = _samples(merge([Metrics().render(replicas), Metrics().render(replicas), None]))
+    assert merged[("gymproxy_replica_starts_total", (("replica", "vllm-0"),))] == 2
+    assert merged[("gymproxy_replica_ready", (("replica", "vllm-0"),))] == 1
+
+
 def test_values_are_exact():
     assert number(1234567) == "1234567" and number(3.0) == "3" and number(0.25) == "0.25"
     metrics = Metrics()
