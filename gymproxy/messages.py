@@ -30,6 +30,7 @@ from typing import Any, Final
 import msgspec
 
 from .errors import BadRequest, GymproxyError, UpstreamStatus
+from .overflow import error_fields, status_error
 from .schemas import ENCODER
 
 FORWARDED_PREFIX: Final = "anthropic-"
@@ -126,11 +127,25 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
 
 
+def envelope(kind: str, message: str) -> bytes:
+    """An error in Anthropic's envelope."""
+    return ENCODER.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
 def error_body(exc: GymproxyError) -> bytes:
     """gymproxy's error in Anthropic's envelope (an upstream's own error body stays as it was)."""
     if isinstance(exc, UpstreamStatus) and exc.raw is not None:
         return exc.raw
-    return ENCODER.encode({"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}})
+    return envelope(error_type(exc.status), exc.message)
+
+
+def upstream_error(status: int, payload: bytes) -> UpstreamStatus:
+    """vLLM's chat API's error (a captured call's) as vLLM's Anthropic endpoint answers it
+    (`translate_error_response`): its status, and its error's own type and message in the envelope."""
+    error = status_error(status, payload)
+    kind = error_fields(payload)[2]
+    error.raw = envelope(kind if isinstance(kind, str) else error_type(status), error.message)
+    return error
 
 
 def stream_error(exc: GymproxyError) -> bytes:

@@ -86,7 +86,9 @@ async def test_records_come_back_exactly_in_seq_order(tmp_path: Path) -> None:
     for got, sent in zip(rollout.calls, calls, strict=True):
         assert got.prompt_token_ids == sent.prompt_token_ids and got.generation_log_probs == [-0.1, -1e-9, -9999.0]
         assert got.outcome == "ok" and got.usage == sent.usage
-    assert rollout.complete and again.stats.recorded == 0 and store.stats.recorded in (5, 10)  # a start and its end may go as one
+    assert (
+        rollout.complete and again.stats.recorded == 0 and store.stats.recorded in (5, 10)
+    )  # a start and its end may go as one
     await again.close()
 
 
