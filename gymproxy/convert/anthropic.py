@@ -75,9 +75,9 @@ def to_chat_body(req: MessagesRequest, *, merge_inline_system: bool) -> dict[str
         "messages": messages,
         "max_tokens": req.max_tokens,
         "max_completion_tokens": req.max_tokens,
+        "stop": req.stop_sequences,  # null, not chat's default `[]`, as vLLM sets it
     }
     for name in (
-        "stop_sequences",
         "temperature",
         "top_p",
         "top_k",
@@ -90,7 +90,7 @@ def to_chat_body(req: MessagesRequest, *, merge_inline_system: bool) -> dict[str
     ):
         value = getattr(req, name)
         if value is not None:
-            body["stop" if name == "stop_sequences" else name] = value
+            body[name] = value
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
