@@ -1,8 +1,8 @@
 """Anthropic's Messages API, relayed: what gymproxy reads and changes on `/v1/messages` and
 `/v1/messages/count_tokens`, and how it says its own errors there.
 
-vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing:
-the route relays the request to the session's upstream as every relayed route does (pinned, failed
+vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing
+(but a captured call, `convert.anthropic`, whose tokens that endpoint does not return): the route relays the request to the session's upstream as every relayed route does (pinned, failed
 over before a byte is sent, streamed chunk by chunk, the generation aborted when the client
 leaves). On top of that:
 
@@ -16,7 +16,8 @@ leaves). On top of that:
   `Authorization`, does not.
 - `error_body` renders gymproxy's own errors in Anthropic's envelope
   `{"type": "error", "error": {"type", "message"}}`, and `stream_error` ends a relayed stream that
-  broke with an `error` event, as Anthropic's own streams end.
+  broke with an `error` event, as Anthropic's own streams end; `upstream_error` says a captured
+  call's chat error as vLLM's Anthropic endpoint says it.
 
 vLLM's answers, its errors included (a context overflow is its own 400), pass as vLLM sent them.
 """

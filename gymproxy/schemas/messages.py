@@ -3,7 +3,7 @@ request of a captured `/v1/messages` call, decoded once and checked as vLLM's py
 check it, so that what vLLM would refuse is a 400 naming the field, and what it accepts converts.
 
 Unknown fields are ignored, as vLLM's models ignore them (Claude Code sends `context_management`,
-which vLLM drops). `MESSAGE_CONSTRAINTS` are the checks vLLM makes in validators.
+which vLLM drops). The checks vLLM's validators make across fields are `convert.anthropic`'s.
 """
 
 from __future__ import annotations
