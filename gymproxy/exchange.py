@@ -11,7 +11,7 @@ chat completion or a Response). `Exchange.serve` then runs exactly one of:
   failure is raised as usual; after it, every failure ends the stream with a terminal event.
 
 `Exchange.relay` passes a request through unchanged (`/v1/completions`, `/tokenize`, `/v1/models`,
-`/v1/responses` with `is_responses_native`, and Anthropic's `/v1/messages`). A reply that is not read
+`/v1/responses` with `is_responses_native`, and Anthropic's `/v1/messages` unless captured). A reply that is not read
 to its end is closed, which makes vLLM abort the generation: when the client leaves, when a stream
 fails, at shutdown.
 
@@ -35,8 +35,10 @@ import msgspec
 import orjson
 from aiohttp import web
 
+from . import messages
 from .aborts import ABORT, Cut, aborted, relay_watching
 from .client_stream import SSE_HEADERS, ClientGone, Payloads, SSEWriter
+from .convert.anthropic import MessagesStream, to_message
 from .convert.boundary import Boundary
 from .convert.completions import (
     CompletionChunks,
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from .capture import Recording
     from .config import Pinning
     from .proxy import Proxy
+    from .rollouts.record import Outcome
     from .templates import ChatTemplate
 
 log = logging.getLogger("gymproxy")
@@ -229,6 +232,9 @@ class Answer(Protocol):
 
     model: str | None
     shows_tokens: bool  # vLLM's token fields reach the client (a captured call strips what it did not ask for)
+    training_tokens: bool  # training mode's token ids (`return_token_id_information`) go into the answer
+    # vLLM's error status as this API's error (None: gymproxy's rules, a context overflow answered locally)
+    errors: Callable[[int, bytes], GymproxyError] | None
 
     def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes: ...
     def stream(self, *, continued: bool, reasoning: bool) -> Translator: ...
@@ -368,6 +374,8 @@ class ChatAnswer:
     """A `/v1/chat/completions` client: vLLM's chat form, reasoning folded into `<think>` (spec 7.1)."""
 
     shows_tokens = True
+    training_tokens = True
+    errors: Callable[[int, bytes], GymproxyError] | None = None
 
     def __init__(self, model: str | None, *, parser: bool) -> None:
         self.model = model
@@ -390,6 +398,8 @@ class ResponsesAnswer:
     `max_text` characters of output for its last events)."""
 
     shows_tokens = False
+    training_tokens = True
+    errors: Callable[[int, bytes], GymproxyError] | None = None
 
     def __init__(self, req: ResponsesRequest, model: str | None, *, parser: bool, max_text: int | None = None) -> None:
         self.req = req
@@ -407,6 +417,22 @@ class ResponsesAnswer:
         return ResponsesStream(
             self.req, model=self.model, parser=self.parser, continued=continued, max_text=self.max_text
         )
+
+
+class MessagesAnswer:
+    """A captured `/v1/messages` client (`convert.anthropic`): vLLM's chat reply answered as vLLM's
+    Anthropic endpoint answers, its errors (a context overflow included) in that endpoint's envelope."""
+
+    model: str | None = None
+    shows_tokens = False
+    training_tokens = False
+    errors: Callable[[int, bytes], GymproxyError] | None = staticmethod(messages.upstream_error)
+
+    def whole(self, reply: ChatReply, tokens: TokenInfo | None, *, continued: bool) -> bytes:
+        return to_message(reply.completion())
+
+    def stream(self, *, continued: bool, reasoning: bool) -> MessagesStream:
+        return MessagesStream()
 
 
 # --- the exchange ----------------------------------------------------------------------------------
@@ -443,7 +469,8 @@ class Exchange:
                     )
                 else:
                     error = str(exc) if isinstance(exc, GymproxyError) else type(exc).__name__
-                    caller.recording.end("error", upstream=caller.upstream, weight_version=caller.weights, error=error)
+                    failed: Outcome = "overflow" if caller.outcome == "overflow" else "error"
+                    caller.recording.end(failed, upstream=caller.upstream, weight_version=caller.weights, error=error)
             raise
         finally:
             if caller.recording is not None:
@@ -523,6 +550,15 @@ class Exchange:
         finally:
             sent.release()
 
+    async def fetch(self, route: str, data: bytes) -> tuple[int, bytes]:
+        """A request of gymproxy's own on the way to the client's, sent where that one will go (the
+        session's upstream): its status and body."""
+        sent = await self._send(route, data)
+        try:
+            return sent.reply.status, await read(sent.reply)
+        finally:
+            sent.release()
+
     # --- the three ways ----------------------------------------------------------------------------
 
     async def _whole(self, backend: Backend, answer: Answer, data: bytes) -> web.Response:
@@ -537,7 +573,7 @@ class Exchange:
         finally:
             sent.release()
         if reply.status != 200:
-            self._judge(reply.status, payload)
+            self._judge(reply.status, payload, answer)
         if ABORT in payload:
             sent, payload = await self._unless_aborted(sent, payload, backend.route, data, "POST")
         self.caller.weights = weights = sent.versions()
@@ -551,7 +587,7 @@ class Exchange:
                 recording.read(chat.mapping())
                 recording.usage = chat.usage()
         tokens = None
-        if self.proxy.config.return_token_id_information:
+        if self.proxy.config.return_token_id_information and answer.training_tokens:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
             tokens.weight_version = weights
         if recording is not None and answer.shows_tokens and recording.shown(chat.payload):
@@ -566,7 +602,7 @@ class Exchange:
         try:
             reply = sent.reply
             if reply.status != 200:
-                self._judge(reply.status, await read(reply))
+                self._judge(reply.status, await read(reply), answer)
             if reply.content_type != "text/event-stream":
                 raise UpstreamError(
                     f"the upstream {sent.upstream.url} answered a streaming request with {reply.content_type}, "
@@ -814,14 +850,19 @@ class Exchange:
         if type(cached) is int and cached > 0:
             metrics.cached_prompt_tokens[upstream.name] += cached
 
-    def _judge(self, status: int, payload: bytes) -> NoReturn:
+    def _judge(self, status: int, payload: bytes, answer: Answer) -> NoReturn:
         """An upstream error status: a context overflow answers locally (or is vLLM's own 400 when
-        propagating); any other error is raised with the upstream's status and message."""
+        propagating, or in the answer's own error form); any other error is raised with the
+        upstream's status and message (in the answer's own error form, when it has one)."""
         if is_context_overflow(status, payload):
             self.proxy.metrics.overflows += 1
-            if self.proxy.config.propagate_context_overflow_errors:
+            if answer.errors is None and not self.proxy.config.propagate_context_overflow_errors:
+                raise ContextOverflow
+            self.caller.outcome = "overflow"
+            if answer.errors is None:
                 raise UpstreamStatus(status, upstream_message(payload), raw=payload)
-            raise ContextOverflow
+        if answer.errors is not None:
+            raise answer.errors(status, payload)
         raise status_error(status, payload)
 
     async def _tokens(self, upstream: Upstream, backend: Backend, info: TokenInfo) -> TokenInfo:

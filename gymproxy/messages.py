@@ -1,8 +1,8 @@
 """Anthropic's Messages API, relayed: what gymproxy reads and changes on `/v1/messages` and
 `/v1/messages/count_tokens`, and how it says its own errors there.
 
-vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing:
-the route relays the request to the session's upstream as every relayed route does (pinned, failed
+vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing
+(but a captured call, `convert.anthropic`, whose tokens that endpoint does not return): the route relays the request to the session's upstream as every relayed route does (pinned, failed
 over before a byte is sent, streamed chunk by chunk, the generation aborted when the client
 leaves). On top of that:
 
@@ -16,7 +16,8 @@ leaves). On top of that:
   `Authorization`, does not.
 - `error_body` renders gymproxy's own errors in Anthropic's envelope
   `{"type": "error", "error": {"type", "message"}}`, and `stream_error` ends a relayed stream that
-  broke with an `error` event, as Anthropic's own streams end.
+  broke with an `error` event, as Anthropic's own streams end; `upstream_error` says a captured
+  call's chat error as vLLM's Anthropic endpoint says it.
 
 vLLM's answers, its errors included (a context overflow is its own 400), pass as vLLM sent them.
 """
@@ -30,6 +31,7 @@ from typing import Any, Final
 import msgspec
 
 from .errors import BadRequest, GymproxyError, UpstreamStatus
+from .overflow import error_fields, status_error
 from .schemas import ENCODER
 
 FORWARDED_PREFIX: Final = "anthropic-"
@@ -126,11 +128,25 @@ def error_type(status: int) -> str:
     return ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
 
 
+def envelope(kind: str, message: str) -> bytes:
+    """An error in Anthropic's envelope."""
+    return ENCODER.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+
 def error_body(exc: GymproxyError) -> bytes:
     """gymproxy's error in Anthropic's envelope (an upstream's own error body stays as it was)."""
     if isinstance(exc, UpstreamStatus) and exc.raw is not None:
         return exc.raw
-    return ENCODER.encode({"type": "error", "error": {"type": error_type(exc.status), "message": exc.message}})
+    return envelope(error_type(exc.status), exc.message)
+
+
+def upstream_error(status: int, payload: bytes) -> UpstreamStatus:
+    """vLLM's chat API's error (a captured call's) as vLLM's Anthropic endpoint answers it
+    (`translate_error_response`): its status, and its error's own type and message in the envelope."""
+    error = status_error(status, payload)
+    kind = error_fields(payload)[2]
+    error.raw = envelope(kind if isinstance(kind, str) else error_type(status), error.message)
+    return error
 
 
 def stream_error(exc: GymproxyError) -> bytes:

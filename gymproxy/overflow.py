@@ -87,7 +87,7 @@ def is_context_overflow(status: int, body: bytes) -> bool:
     """
     if status != 400:
         return False
-    message, param, _, code = _error_fields(body)
+    message, param, _, code = error_fields(body)
     if message is None:
         message = _text(body)
     if _TOO_MANY_OUTPUT_TOKENS.search(message):
@@ -101,13 +101,13 @@ def is_context_overflow(status: int, body: bytes) -> bool:
 
 def upstream_message(body: bytes) -> str:
     """The error message from either vLLM envelope, else the body text cut to 500 characters."""
-    message = _error_fields(body)[0]
+    message = error_fields(body)[0]
     return _text(body) if message is None else message
 
 
 def status_error(status: int, body: bytes) -> UpstreamStatus:
     """An upstream error reply as the error gymproxy raises: its status, message, param and type."""
-    message, param, kind, _ = _error_fields(body)
+    message, param, kind, _ = error_fields(body)
     return UpstreamStatus(
         status,
         (_text(body) if message is None else message) or f"the upstream answered HTTP {status}",
@@ -116,7 +116,7 @@ def status_error(status: int, body: bytes) -> UpstreamStatus:
     )
 
 
-def _error_fields(body: bytes) -> tuple[str | None, object, object, object]:
+def error_fields(body: bytes) -> tuple[str | None, object, object, object]:
     """(message, param, type, code) from `{"error": {...}}`, `{"error": "..."}`, a flat envelope or a JSON string.
 
     The message is None when the body is not JSON or holds no non-empty string message.

@@ -94,6 +94,9 @@ class Proxy:
         self.replicas: Callable[[], list[dict[str, Any]]] | None = None  # launched vLLMs' states, for /health
         self.control = Control(self.fleet, config) if config.access.fleet_control else None  # /fleet/*
         self.capture = Capture(config.capture) if config.capture.enabled else None  # rollouts' calls recorded
+        # Whether the upstreams' vLLM merges a captured Messages call's inline system messages into the
+        # leading one (`routes.captured_messages`): learnt from them once, when first needed.
+        self.merge_inline_system: bool | None = None
         self.connections: Callable[[], int] | None = None  # open client connections (`gymproxy serve`'s listener)
 
     async def start(self) -> None:

@@ -6,7 +6,8 @@ POST /v1/chat/completions   decode -> ChatBackend (boundary rules) -> ChatAnswer
 with use_completions_api    both plan a CompletionsBackend instead of the ChatBackend
 with is_responses_native    /v1/responses is relayed to the upstream's own, with the config applied
 GET  /v1/models, POST /v1/completions, POST /tokenize   relayed as they are
-POST /v1/messages, /v1/messages/count_tokens   Anthropic's API, relayed to vLLM's own (messages.py)
+POST /v1/messages, /v1/messages/count_tokens   Anthropic's API, relayed to vLLM's own (messages.py);
+                            a captured /v1/messages: decode -> convert.anthropic -> ChatBackend -> MessagesAnswer
 GET  /api/hello             Claude Code's reachability check
 GET  /health, /metrics      the fleet's state
 GET, POST /admin/upstreams, POST /admin/upstreams/{name}/drain, DELETE /admin/upstreams/{name}
@@ -40,6 +41,8 @@ from . import logs, messages, overlay
 from .capture import ROLLOUT_HEADER, ROLLOUT_ID, Recording, rollout_id
 from .config import BadUpstream, Config, UpstreamSpec, check_upstream
 from .control import PAUSE_MODES, ROUTES, Control, Outcome
+from .convert.anthropic import has_inline_system, probe_body
+from .convert.anthropic import to_chat_body as to_messages_chat_body
 from .convert.request import to_chat_body
 from .errors import (
     BadRequest,
@@ -64,6 +67,7 @@ from .exchange import (
     ChatBackend,
     CompletionsBackend,
     Exchange,
+    MessagesAnswer,
     ResponsesAnswer,
 )
 from .ids import hex32
@@ -74,6 +78,7 @@ from .rollouts.store import Store
 from .rollouts.trajectory import view
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
+from .schemas.messages import MESSAGES_DECODER
 from .upstream import Upstream, upstream_name
 
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
@@ -241,12 +246,15 @@ def relay(route: str) -> Route:
 def anthropic(route: str) -> Route:
     """`POST /v1/messages` (`route` "messages") or `/v1/messages/count_tokens` ("count_tokens"):
     relayed to vLLM's own Anthropic endpoint with the configured model, the client's query string
-    and `anthropic-*` headers; a stream the upstream breaks off ends with an `error` event."""
+    and `anthropic-*` headers; a stream the upstream breaks off ends with an `error` event. A
+    captured `/v1/messages` call is converted instead (`captured_messages`)."""
 
     async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
         config = proxy.config
         body, user_id = messages.prepare(await read_body(request, config), config.model)
         _add_user(caller, user_id, config)
+        if route == "messages" and (rollout := _rollout_of(proxy, caller)) is not None:
+            return await captured_messages(proxy, request, caller, body, rollout)
         return await Exchange(proxy, request, caller).relay(
             route,
             body,
@@ -257,6 +265,39 @@ def anthropic(route: str) -> Route:
 
     relayed.__name__ = f"anthropic_{route}"
     return relayed
+
+
+async def captured_messages(
+    proxy: Proxy, request: web.Request, caller: Caller, body: bytes, rollout: str
+) -> web.StreamResponse:
+    """A `/v1/messages` call of a rollout: vLLM's Anthropic endpoint returns no token ids, so the call
+    is converted to the chat request that endpoint would make (`convert.anthropic`), served by vLLM's
+    chat API as chat calls are, recorded, and answered as the endpoint answers."""
+    try:
+        req = MESSAGES_DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise from_validation(exc) from exc
+    caller.model = req.model
+    exchange = Exchange(proxy, request, caller)
+    merge = has_inline_system(req) and await _merges_inline_system(proxy, exchange, req.model)
+    chat = to_messages_chat_body(req, merge_inline_system=merge)
+    stream = req.stream is True
+    assert proxy.capture is not None  # `_rollout_of`
+    caller.recording = recording = await proxy.capture.begin(rollout, "messages", stream=stream)
+    return await exchange.serve(ChatBackend(None, chat, recording=recording), MessagesAnswer(), stream=stream)
+
+
+async def _merges_inline_system(proxy: Proxy, exchange: Exchange, model: str) -> bool:
+    """Whether the upstreams' vLLM merges inline system messages into the leading one: it does when
+    its chat template refuses a system message after a user's, which it finds out by rendering
+    `convert.anthropic.PROBE_MESSAGES`. gymproxy renders the same on /tokenize, once per process
+    (its upstreams serve one model)."""
+    if proxy.merge_inline_system is None:
+        status, payload = await exchange.fetch("tokenize", ENCODER.encode(probe_body(model)))
+        if status not in (200, 400):  # 400: the template raised
+            raise messages.upstream_error(status, payload)
+        proxy.merge_inline_system = status == 400
+    return proxy.merge_inline_system
 
 
 async def models(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
@@ -502,8 +543,17 @@ async def metrics(proxy: Proxy, request: web.Request, caller: Caller) -> web.Str
 
 
 async def _captured(proxy: Proxy, caller: Caller, route: str, stream: bool) -> Recording | None:
-    """The call's capture, when capture is on and it carries a rollout id (`capture`); read once the
-    body's session keys are in (`capture.key: session` takes them as the id)."""
+    """The call's capture, when capture is on and it carries a rollout id (`_rollout_of`)."""
+    rollout = _rollout_of(proxy, caller)
+    if rollout is None or proxy.capture is None:
+        return None
+    caller.recording = await proxy.capture.begin(rollout, route, stream=stream)
+    return caller.recording
+
+
+def _rollout_of(proxy: Proxy, caller: Caller) -> str | None:
+    """The rollout the call is recorded in, when capture is on and it carries a rollout id (`capture`);
+    read once the body's session keys are in (`capture.key: session` takes them as the id)."""
     capture = proxy.capture
     if capture is None:
         return None
@@ -511,10 +561,7 @@ async def _captured(proxy: Proxy, caller: Caller, route: str, stream: bool) -> R
     if rollout is None and capture.config.key == "session" and caller.key:
         key = caller.key
         rollout = key if ROLLOUT_ID.fullmatch(key) else "sha256-" + hashlib.sha256(key.encode()).hexdigest()[:32]
-    if rollout is None:
-        return None
-    caller.recording = await capture.begin(rollout, route, stream=stream)
-    return caller.recording
+    return rollout
 
 
 def _conversation_id(caller: Caller, config: Config) -> str | None:

@@ -97,7 +97,8 @@ async def test_the_stream_as_vllm_sends_it(fake_vllm: FakeVLLM) -> None:
         ("message_stop", None, None),
     ]
     start = got[0][1]["message"]
-    assert list(start) == ["id", "content", "model", "stop_reason", "stop_sequence", "usage"]  # exclude_unset
+    # exclude_unset, with type and role set explicitly (vLLM 0.32, its issue #45367)
+    assert list(start) == ["id", "type", "role", "content", "model", "stop_reason", "stop_sequence", "usage"]
     assert start["usage"] == {"input_tokens": 2, "output_tokens": 0} and start["content"] == []
     assert got[1][1] == {
         "type": "content_block_start",
@@ -111,7 +112,7 @@ async def test_the_stream_as_vllm_sends_it(fake_vllm: FakeVLLM) -> None:
     assert "".join(d["delta"].get("partial_json", "") for _, d in got if "delta" in d) == '{"command": "ls"}'
     assert got[-2][1] == {
         "type": "message_delta",
-        "delta": {"stop_reason": "tool_use"},
+        "delta": {"stop_reason": "tool_use", "stop_sequence": None},
         "usage": {"input_tokens": 2, "output_tokens": 7},
     }
     assert got[-1][1] == {"type": "message_stop"}
@@ -142,7 +143,8 @@ async def test_replies_from_the_request_tools_and_tool_results(fake_vllm: FakeVL
         },
     ]
     _, body = await post(fake_vllm, "/messages", {**ask(tools=TOOLS), "messages": history})
-    assert body["content"] == [{"type": "text", "text": "echo: <system-reminder>be brief</system-reminder>"}]
+    # (vLLM puts the text after the tool result; it is no turn of its own: the user's turn is echoed)
+    assert body["content"] == [{"type": "text", "text": "echo: list files"}]
     assert body["stop_reason"] == "end_turn"
 
 

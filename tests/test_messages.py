@@ -190,7 +190,7 @@ async def test_claude_code_request_is_relayed_as_sent(aiohttp_server, big_vllm):
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
     tool_use = next(data["content_block"] for kind, data in events if kind == "content_block_start")
     assert tool_use["type"] == "tool_use" and tool_use["name"] == "Bash"  # the fake's reply to tools offered
-    assert events[-2][1]["delta"] == {"stop_reason": "tool_use"}
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert events[0][1]["message"]["model"] == "policy"
 
 

@@ -198,7 +198,7 @@ class ResponsesStream:
         """Events for one upstream SSE payload; vLLM's in-stream error is an `UpstreamError`."""
         chunk = CHUNK_DECODER.decode(payload)
         if chunk.error is not None:
-            raise UpstreamError(_chunk_error(chunk.error))
+            raise UpstreamError(chunk_error(chunk.error))
         return self.feed(chunk)
 
     def feed(self, chunk: ChatChunk) -> bytes:
@@ -738,7 +738,8 @@ class ChatStream:
         return b"data: " + ENCODER.encode(first) + b"\n\ndata: " + ENCODER.encode(last) + b"\n\n" + DONE_FRAME
 
 
-def _chunk_error(error: Any) -> str:
+def chunk_error(error: Any) -> str:
+    """The message of vLLM's in-stream error chunk."""
     if isinstance(error, dict):
         return f"the upstream reported an error mid-stream: {error.get('message') or error}"
     return f"the upstream reported an error mid-stream: {error}"

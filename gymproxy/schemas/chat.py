@@ -66,6 +66,7 @@ class Choice(Wire, kw_only=True):
     index: int = 0
     message: AssistantMessage = msgspec.field(default_factory=AssistantMessage)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string matched (or token id)
     native_finish_reason: Any = None
     logprobs: Any = None
     token_ids: Any = None
@@ -73,6 +74,7 @@ class Choice(Wire, kw_only=True):
 
 class PromptTokensDetails(Wire):
     cached_tokens: Any = None
+    created_cache_tokens: Any = None
 
 
 class CompletionTokensDetails(Wire):
@@ -100,6 +102,8 @@ class ChatCompletion(Wire, kw_only=True):
     choices: list[Choice] = []
     usage: Usage | None = None
     prompt_token_ids: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 class ChunkDelta(Wire, kw_only=True):
@@ -115,6 +119,7 @@ class ChunkChoice(Wire, kw_only=True):
     index: int = 0
     delta: ChunkDelta = msgspec.field(default_factory=ChunkDelta)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: Any = None
     token_ids: Any = None
 

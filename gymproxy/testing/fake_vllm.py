@@ -287,6 +287,7 @@ class _Turn(NamedTuple):
     as_ids: bool
     top: int
     include_usage: bool
+    continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: usage on every chunk
 
     def tokens(self) -> list[str]:
         return [tok for step in self.steps for tok in step.tokens]
@@ -410,13 +411,25 @@ def _frames(t: _Turn, obj: str, head: list[bytes], choices: list[Json], finish: 
 
 def _chat_frames(t: _Turn) -> Frames:
     role = dict(index=0, delta={"role": "assistant", "content": ""}, logprobs=None, finish_reason=None)
-    head = [_frame(t.envelope("chat.completion.chunk", choices=[role], prompt_token_ids=t.prompt_token_ids()))]
+    first = t.envelope("chat.completion.chunk", choices=[role], prompt_token_ids=t.prompt_token_ids())
     choices = [
         dict(index=0, delta=s.delta, logprobs=t.chat_logprobs(s.tokens), finish_reason=None, token_ids=t.ids(s.tokens))
         for s in t.steps
     ]
     finish = dict(index=0, delta={}, logprobs=t.chat_logprobs([]), finish_reason=None, token_ids=t.ids([]))
-    return _frames(t, "chat.completion.chunk", head, choices, finish)
+    head, body, tail = _frames(t, "chat.completion.chunk", [], choices, finish)
+    if not t.continuous_usage:
+        return [_frame(first)], body, tail
+    # Each chunk carries the usage so far (vLLM adds it after framing: the frames are made again).
+    n, made = len(t.prompt_ids), 0
+    framed = []
+    for i, frame in enumerate(body):  # the steps' chunks, then the finish chunk
+        chunk = orjson.loads(frame[6:])
+        made += len(t.steps[i].tokens) if i < len(t.steps) else 0
+        chunk["usage"] = {"prompt_tokens": n, "total_tokens": n + made, "completion_tokens": made}
+        framed.append(_frame(chunk))
+    first["usage"] = {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+    return [_frame(first)], framed, tail
 
 
 def _text_frames(t: _Turn) -> Frames:
@@ -434,31 +447,30 @@ def _text_frames(t: _Turn) -> Frames:
 
 
 def chat_from_messages(body: Json) -> Json:
-    """The chat request vLLM's Anthropic endpoint makes of a Messages request (its reply rules apply
-    to it), except that a user message's tool results follow its text (see the module docstring)."""
-    system = [_system_text(body.get("system"))]
-    messages: list[Json] = []
+    """The chat request vLLM 0.32's Anthropic endpoint makes of a Messages request (its reply rules
+    apply to it), for a chat template that takes system messages anywhere (so inline ones stay in place)."""
+    system = _system_text(body.get("system"))
+    messages: list[Json] = [{"role": "system", "content": system}] if system else []
     for message in body["messages"]:
         role, content = message["role"], message["content"]
         if role == "system":
-            system.append(_system_text(content))
+            if text := _system_text(content, strip=True):
+                messages.append({"role": "system", "content": text})
         elif isinstance(content, str):
             messages.append({"role": role, "content": content})
         else:
             messages += _chat_turn(role, content)
-    text = "\n\n".join(part for part in system if part)
-    chat: Json = {
-        "model": body["model"],
-        "messages": ([{"role": "system", "content": text}] if text else []) + messages,
-    }
+    chat: Json = {"model": body["model"], "messages": messages}
     if "max_tokens" in body:
         chat["max_tokens"] = body["max_tokens"]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
     if body.get("stream"):
         chat["stream"] = True
     tools = [
         {"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
                                           "parameters": t.get("input_schema") or {"type": "object"},
-                                          "defer_loading": t.get("defer_loading")}}
+                                          "strict": t.get("strict"), "defer_loading": t.get("defer_loading")}}
         for t in body.get("tools") or []
     ]  # fmt: skip
     choice = body.get("tool_choice") or {}
@@ -472,9 +484,10 @@ def chat_from_messages(body: Json) -> Json:
     return chat
 
 
-def _system_text(system: Any) -> str:
+def _system_text(system: Any, *, strip: bool = False) -> str:
+    """The text of `system` (the top-level one, or an inline message's `strip`ped of the billing header)."""
     if isinstance(system, str):
-        return "" if system.startswith(BILLING_HEADER) else system
+        return "" if strip and system.startswith(BILLING_HEADER) else system
     blocks = system if isinstance(system, list) else []
     return "".join(
         b["text"]
@@ -484,7 +497,7 @@ def _system_text(system: Any) -> str:
 
 
 def _chat_turn(role: str, blocks: list[Json]) -> list[Json]:
-    """One Messages turn made of content blocks, as chat messages: the turn, then its tool results."""
+    """One Messages turn made of content blocks, as chat messages: its tool results, then the turn."""
     parts: list[Json] = []
     calls: list[Json] = []
     thinking: list[str] = []
@@ -500,14 +513,16 @@ def _chat_turn(role: str, blocks: list[Json]) -> list[Json]:
         elif kind == "thinking" and block.get("thinking") is not None:
             thinking.append(block["thinking"])
         elif kind == "tool_use":
-            arguments = orjson.dumps(block.get("input") or {}).decode()
+            arguments = json.dumps(block.get("input") or {})  # vLLM's: Python's spacing
             function = {"name": block.get("name") or "", "arguments": arguments}
             calls.append(
                 {"id": block.get("id") or f"call_{int(time.time())}", "type": "function", "function": function}
             )
         elif kind == "tool_result" and role == "user":
             content = block.get("content")
-            text = content if isinstance(content, str) else _text(content if isinstance(content, list) else None)
+            items = content if isinstance(content, list) else []
+            texts = [i.get("text", "") for i in items if isinstance(i, dict) and i.get("type") == "text"]
+            text = content if isinstance(content, str) else "\n".join(texts)
             results.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text})
         elif kind == "tool_result":
             parts.append({"type": "text", "text": f"Tool result: {block.get('content') or ''}"})
@@ -518,8 +533,8 @@ def _chat_turn(role: str, blocks: list[Json]) -> list[Json]:
         turn["tool_calls"] = calls
     if parts:
         turn["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
-    keep = "content" in turn if role == "user" else bool(parts or calls or thinking)
-    return ([turn] if keep else []) + results
+    keep = "content" in turn if role == "user" else True
+    return results + ([turn] if keep else [])
 
 
 def _check_messages(body: Json, *, count: bool) -> None:
@@ -548,9 +563,17 @@ def _event(kind: str, **fields: Any) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps({"type": kind, **fields}))
 
 
-def _anthropic_usage(t: _Turn) -> Json:
+def _anthropic_usage(t: _Turn, *, start: bool = False) -> Json:
     usage = t.usage(stream=True)
-    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
+    output = 0 if start else usage.get("completion_tokens", 0)
+    return {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": output}
+
+
+def _stop_reason(finish_reason: str | None, *, tool_used: bool) -> str | None:
+    """vLLM 0.32's `_to_anthropic_stop_reason` (scripts match no stop string): an abort has none."""
+    if finish_reason in ("stop", "tool_calls"):
+        return "tool_use" if tool_used or finish_reason == "tool_calls" else "end_turn"
+    return ANTHROPIC_STOP.get(finish_reason or "")
 
 
 def _message_body(t: _Turn) -> Json:
@@ -562,10 +585,11 @@ def _message_body(t: _Turn) -> Json:
         content.append({"type": "text", "text": s.content})
     for call in s.tool_calls or []:
         content.append(
-            {"type": "tool_use", "id": call["id"], "name": call["name"], "input": orjson.loads(call["arguments"])}
+            {"type": "tool_use", "id": call["id"], "name": call["name"], "input": json.loads(call["arguments"])}
         )
-    message: Json = dict(id=t.id, type="message", role="assistant", content=content, model=t.model)
-    if (stop := ANTHROPIC_STOP.get(s.finish_reason or "")) is not None:
+    message: Json = dict(id=t.id, type="message", role="assistant", content=content or [{"type": "text", "text": ""}])
+    message["model"] = t.model
+    if (stop := _stop_reason(s.finish_reason, tool_used=bool(s.tool_calls))) is not None:
         message["stop_reason"] = stop  # vLLM dumps with exclude_none: an unmapped reason is absent
     message["usage"] = _anthropic_usage(t)
     return message
@@ -573,9 +597,9 @@ def _message_body(t: _Turn) -> Json:
 
 def _message_frames(t: _Turn) -> Frames:
     """The turn as vLLM's Anthropic event stream: one frame (of one or more events) per chat chunk."""
-    start: Json = dict(id=t.id, content=[], model=t.model, stop_reason=None, stop_sequence=None)
-    usage = {"input_tokens": _anthropic_usage(t)["input_tokens"], "output_tokens": 0}
-    head = [_event("message_start", message={**start, "usage": usage})]
+    start: Json = dict(id=t.id, type="message", role="assistant", content=[], model=t.model)
+    start.update(stop_reason=None, stop_sequence=None, usage=_anthropic_usage(t, start=True))
+    head = [_event("message_start", message=start)]
     body: list[bytes] = []
     index = -1
     active: str | None = None  # "thinking", "text" or a tool call's id
@@ -627,7 +651,8 @@ def _message_frames(t: _Turn) -> Frames:
                 _event("content_block_delta", delta={"type": "thinking_delta", "thinking": thought}, index=index)
             )
         body.append(b"".join(events))
-    end = {"stop_reason": ANTHROPIC_STOP.get(t.script.finish_reason or "stop")}
+    end = {"stop_reason": _stop_reason(t.script.finish_reason or "stop", tool_used=bool(t.script.tool_calls))}
+    end["stop_sequence"] = None
     tail = [b"".join([*stop(), _event("message_delta", delta=end, usage=_anthropic_usage(t))]), _event("message_stop")]
     return head, body, tail
 
@@ -657,7 +682,7 @@ def _call_directive(script: Script, match: re.Match[str], messages: list[Any]) -
         orjson.loads(arguments)
     except orjson.JSONDecodeError as exc:
         raise Rejection(400, f"fake vLLM: the arguments of {match[0]!r} are not JSON: {exc}") from exc
-    turns = [m for m in messages if isinstance(m, dict) and m.get("role") not in _NOTES]
+    turns = _turns(messages)
     results: list[str] = []
     for message in reversed(turns):
         if message.get("role") != "tool":
@@ -671,6 +696,20 @@ def _call_directive(script: Script, match: re.Match[str], messages: list[Any]) -
 
 
 # --- How vLLM's FastAPI routes refuse a bad query or body ----------------------------------------------
+
+
+def _turns(messages: list[Any]) -> list[Json]:
+    """The conversation's turns: system and developer notes left out, and so is a user message that
+    follows tool results with no assistant turn between (the text a Messages turn sends beside its
+    tool results, which vLLM puts after them): that turn answers the tool call."""
+    turns: list[Json] = []
+    for message in messages:
+        if not isinstance(message, dict) or message.get("role") in _NOTES:
+            continue
+        if message.get("role") == "user" and turns and turns[-1].get("role") == "tool":
+            continue
+        turns.append(message)
+    return turns
 
 
 def _invalid(errors: list[Json]) -> Rejection:
@@ -1037,7 +1076,7 @@ class FakeVLLM:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise Rejection(400, "messages: Field required", kind="Bad Request")
-            users = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            users = [m.get("content") for m in _turns(messages) if m.get("role") == "user"]
             return [token_id(p) for p in chat_prompt_pieces(messages)], _text(users[-1] if users else None)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt):
@@ -1086,7 +1125,7 @@ class FakeVLLM:
             return _call_directive(script, match, body.get("messages") or [])
         tools = [t["function"] for t in body.get("tools") or [] if t.get("type") == "function"]
         choice = body.get("tool_choice")
-        last = (body.get("messages") or [{}])[-1]
+        last = ([{}, *_turns(body.get("messages") or [])])[-1]
         wants_call = choice != "none" and "[[no-call]]" not in text
         if tools and wants_call and isinstance(last, dict) and last.get("role") == "user":
             named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -1169,6 +1208,7 @@ class FakeVLLM:
             top=(body.get("top_logprobs") if chat else logprobs) or 0,
             # vLLM's StreamOptions.include_usage defaults to true, so `{}` asks for the usage chunk.
             include_usage=isinstance(options, dict) and bool(options.get("include_usage", True)),
+            continuous_usage=isinstance(options, dict) and bool(options.get("continuous_usage_stats")),
         )
 
     async def _stream(
@@ -1314,8 +1354,8 @@ class FakeVLLM:
             return web.Response()
         try:
             reply = _message_body(made)
-        except orjson.JSONDecodeError as exc:  # vLLM json.loads the tool call arguments, and fails so
-            return _json_response(anthropic_error(500, str(exc), "internal_error"), status=500)
+        except json.JSONDecodeError as exc:  # vLLM json.loads the tool call arguments: a ValueError's 400
+            return _json_response(anthropic_error(400, str(exc), "BadRequestError"), status=400)
         return _json_response(orjson.dumps(reply))
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
