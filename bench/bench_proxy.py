@@ -15,7 +15,8 @@ Targets:
 The floor and the upstream are sent the chat body gymproxy itself would send upstream, so every
 target makes the upstream do the same work.
 
-    python bench/bench_proxy.py                                 # everything, ~10 min
+    python bench/bench_proxy.py                                 # everything: 54 windows of 12 s, ~11 min
+    python bench/bench_proxy.py --quick                         # 3 scenarios, floor and gymproxy, ~30 s
     python bench/bench_proxy.py --scenario responses --duration 5 --rounds 1
     python bench/bench_proxy.py --upstream http://gpu-node:8000/v1 --model Qwen/Qwen3-8B \\
         --set uses_reasoning_parser=true --concurrency 256 --duration 60
@@ -39,8 +40,12 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import loadgen
+import options
 import orjson
+import plot
+from formats import Column, Table, csv_text, markdown
 from procs import Service, cpu_seconds, free_port, set_cpus
+from progress import Progress
 from upstream import new_loop
 
 BENCH = Path(__file__).resolve().parent
@@ -310,7 +315,7 @@ class Bench:
             ttfb_p99_ms=ms(loadgen.percentile(window.ttfbs, 0.99)),
         )
 
-    async def run(self) -> tuple[list[Measure], dict[str, dict[str, str]]]:
+    async def run(self, progress: Progress) -> tuple[list[Measure], dict[str, dict[str, str]]]:
         args = self.args
         config = gymproxy_config(args, self.upstreams)
         scenarios = [SCENARIOS[name] for name in args.scenario]
@@ -332,9 +337,8 @@ class Bench:
                 for target in targets[shift:] + targets[:shift]:
                     m = await self.measure(s, target, body(s, target), round_)
                     measures.append(m)
-                    if not args.json:
-                        print(f"  round {round_ + 1}/{args.rounds} {s.name:20} {target:12} {m.rps:8.0f} req/s"
-                              f"  cpu {_num(m.cpu_us, 0):>6} µs/req  errors {m.errors}", file=sys.stderr, flush=True)  # fmt: skip
+                    progress.step(f"round {round_ + 1}/{args.rounds} {s.name:20} {target:12} {m.rps:8.0f} req/s"
+                                  f"  cpu {_num(m.cpu_us, 0):>6} µs/req  errors {m.errors}")  # fmt: skip
         return measures, checks
 
 
@@ -392,7 +396,7 @@ def summarize(measures: list[Measure], scenarios: list[Scenario], targets: list[
     return out
 
 
-GOALS = (  # (label, scenario, key, limit, unit), from issue #6
+GOALS = (  # (label, scenario, key, limit, unit): what gymproxy may cost over the least any proxy costs
     ("/v1/responses CPU per request vs floor", "responses", "x_floor", 1.25, "x"),
     ("/v1/responses (30 items) CPU per request vs floor", "responses-multiturn", "x_floor", 1.25, "x"),
     ("/v1/chat/completions pass-through vs floor", "chat", "x_floor", 1.10, "x"),
@@ -461,12 +465,83 @@ def render(meta: dict[str, Any], summary: dict[str, Any], checks: dict[str, dict
             lines += [f"  reply from {t}: {text}" for t, text in checks.get(name, {}).items()]
     results = goals(summary)
     if results:
-        lines += ["", "issue #6 goals (gymproxy, medians of per-round values)"]
+        lines += [
+            "",
+            "goals: gymproxy's cost over the floor's and its TTFB over the upstream's (medians of per-round values)",
+        ]
         for g in results:
             value = f"{g['value']:.2f}{g['unit']}" if g["unit"] == "x" else f"{g['value']:.1f} {g['unit']}"
             limit = f"{g['limit']:.2f}{g['unit']}" if g["unit"] == "x" else f"{g['limit']:g} {g['unit']}"
             lines.append(f"  {g['goal']:52} {value:>9}   goal <= {limit:8}  {'met' if g['met'] else 'MISSED'}")
     return "\n".join(lines)
+
+
+COLUMNS = (
+    Column("target", "target"),
+    Column("rps", "req/s", 0),
+    Column("p50_ms", "p50 ms", 2),
+    Column("p99_ms", "p99 ms", 2),
+    Column("cpu_us", "CPU µs/req", 0),
+    Column("x_floor", "x floor", 2),
+    Column("cpu_pct", "CPU %", 0),
+    Column("errors", "errors", 0),
+)
+STREAM_COLUMNS = (
+    Column("chunks", "chunks", 0),
+    Column("cpu_us_per_chunk", "µs/chunk", 1),
+    Column("extra_us_per_chunk", "+µs/chunk", 1),
+    Column("ttfb_p50_ms", "TTFB ms", 2),
+    Column("ttfb_vs_upstream_ms", "+TTFB ms", 2),
+)
+
+
+def tables(summary: dict[str, Any]) -> list[Table]:
+    """One table a scenario: the figures of the text tables, under the same names."""
+    out = []
+    for name, rows in summary.items():
+        s = SCENARIOS[name]
+        columns = COLUMNS + (STREAM_COLUMNS if s.stream else ())
+        values = []
+        for target, r in rows.items():
+            row = {**r, "target": target, "cpu_pct": None if r["busy"] is None else r["busy"] * 100}
+            values.append([row.get(c.key) for c in columns])
+        out.append(Table(name, f"{name}: {s.route}{' (stream)' if s.stream else ''}: {s.about}", columns, values))
+    return out
+
+
+def render_markdown(meta: dict[str, Any], summary: dict[str, Any]) -> str:
+    rate = "" if meta["rate"] is None else f" at {meta['rate']:g} req/s"
+    head = (
+        f"gymproxy bench, {meta['date']}: {meta['machine']}; {meta['loop']}; upstream {meta['upstream']}; "
+        f"concurrency {meta['concurrency']}{rate}; {meta['duration']:g} s per target x {meta['rounds']} round(s), "
+        f"warm-up {meta['warmup']:g} s; medians. CPU µs/req: utime+stime of the target's own processes per "
+        "request; x floor: that over the floor's, per round."
+    )
+    parts = [head, markdown(tables(summary))]
+    results = goals(summary)
+    if results:
+        columns = (Column("goal", "goal (gymproxy)"), Column("value", "value", 2), Column("limit", "at most", 2),
+                   Column("unit", "unit"), Column("met", "met"))  # fmt: skip
+        rows = [[g["goal"], g["value"], float(g["limit"]), g["unit"], "met" if g["met"] else "MISSED"] for g in results]
+        parts.append(markdown([Table("goals", "goals", columns, rows)]))
+    return "\n\n".join(parts)
+
+
+def draw(path: str, measures: list[Measure], summary: dict[str, Any], targets: list[str]) -> None:
+    """CPU µs per request, a panel a scenario: a bar a target (median of rounds, whiskers fewest to most)."""
+    panels = []
+    for name, rows in summary.items():
+        bars, notes = {}, {}
+        for target in targets:
+            found = plot.bar([m.cpu_us for m in measures if m.scenario == name and m.target == target])
+            if found is not None:
+                bars["", target] = found
+                ratio = rows.get(target, {}).get("x_floor")
+                notes["", target] = "" if ratio is None or target == "floor" else f"{ratio:.2f}x"
+        panels.append(plot.Panel(name, "CPU µs per request", [""], targets, bars, notes))
+    rounds = max((m.round for m in measures), default=0) + 1
+    title = f"CPU per request, median of {rounds} round(s)\n(whiskers: the least and the most; labels: x floor)"
+    plot.write(path, title, panels)
 
 
 def meta(args: argparse.Namespace, canned: bool) -> dict[str, Any]:
@@ -536,6 +611,15 @@ def _variant(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not command.strip() or name.strip() in ("upstream", "floor", "lean-floor"):
         raise argparse.ArgumentTypeError(f"--variant takes NAME=COMMAND, got {text!r}")
     return name.strip(), command
+
+
+QUICK = {
+    "scenario": ["responses", "responses-multiturn", "chat-stream"],
+    "targets": ["floor", "gymproxy"],
+    "duration": 1.5,
+    "warmup": 0.5,
+    "rounds": 2,
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -618,10 +702,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--profile", metavar="FILE", help="run gymproxy under cProfile, write FILE, print the top")
     parser.add_argument("--log-dir", help="keep the servers' logs here (default: a temporary directory)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--output", metavar="FILE", help="also write the JSON document to FILE")
     parser.add_argument("-v", "--verbose", action="store_true", help="also show what each target replied")
-    args = parser.parse_args(argv)
+    options.add(
+        parser,
+        quick="scenarios responses, responses-multiturn and chat-stream, targets floor and gymproxy, "
+        "2 rounds of 1.5 s after 0.5 s: ~30 s",
+        pictures="CPU µs per request, a panel a scenario, a bar a target with its spread over rounds",
+    )
+    args = options.parse(parser, argv, QUICK)
     if not args.upstream and not any(item.startswith("uses_reasoning_parser=") for item in args.set):
         args.set.append("uses_reasoning_parser=true")  # the canned replies carry reasoning
     if args.profile and args.workers != [1]:
@@ -641,8 +730,10 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, os.sched_getaffinity(0) - args.target_cpus)
         loop = new_loop()
         try:
+            progress = Progress(args.rounds * len(args.scenario) * len(bench.targets()), quiet=args.quiet)
+            progress.say("starting the servers, then one checked reply per scenario and target")
             bench.start()
-            measures, checks = loop.run_until_complete(bench.run())
+            measures, checks = loop.run_until_complete(bench.run(progress))
         except (WrongReply, RuntimeError) as exc:  # a server that did not start, or a wrong reply
             print(f"bench_proxy: {exc}", file=sys.stderr)
             return 2
@@ -656,10 +747,16 @@ def main(argv: list[str] | None = None) -> int:
                 "measurements": [m.__dict__ for m in measures]}  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(document, indent=1) + "\n")
-    if args.json:
+    if args.format == "json":
         print(json.dumps(document, indent=1))
+    elif args.format == "markdown":
+        print(render_markdown(info, summary))
+    elif args.format == "csv":
+        print(csv_text(tables(summary), "scenario"))
     else:
         print(render(info, summary, checks))
+    if args.plot:
+        draw(args.plot, measures, summary, bench.targets())
     if args.profile:
         print_profile(args.profile)
     return 1 if any(m.errors for m in measures) else 0

@@ -6,6 +6,7 @@ on `/v1/chat/completions`. Scenarios change the fleet: one engine 3x slower, an 
 killed mid-run, prefill that stalls the whole batch, a trainer that pauses the fleet for a weight
 update every few seconds. See bench/README.md ("fleet.py").
 
+    python bench/fleet.py --quick                              # kill and weight-sync, hash-mod-n and gymproxy: ~40 s
     python bench/fleet.py --scenarios balanced,slow --targets round-robin,hash-mod-n,gymproxy
     python bench/fleet.py --variant 'new=/work/wt-x/.venv/bin/python -m gymproxy' --check
     python bench/fleet.py --scenarios weight-sync,weight-sync-keep --targets no-proxy,vllm-router:cache_aware,gymproxy
@@ -33,7 +34,11 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import options  # noqa: E402
+import plot  # noqa: E402
+from formats import Column, Table, csv_text, markdown  # noqa: E402
 from procs import Service, free_port  # noqa: E402
+from progress import Progress  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 LOOPBACK = "127.0.0.1"
@@ -678,10 +683,94 @@ def render(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str,
     if any(SCENARIOS[name].sync for name in summary):
         lines.append(SYNC_LEGEND)
     if checks:
-        lines.append("\nchecks (issues #14 and #22, against the best baseline of each scenario):")
+        lines.append("\nchecks (each gymproxy target against the best baseline of its scenario):")
         for c in checks:
             lines.append(f"  {'PASS' if c['ok'] else 'FAIL'}  {c['scenario']:16} {c['target']:20} {c['what']}")
     return "\n".join(lines)
+
+
+COLUMNS = (
+    Column("target", "target"),
+    Column("hit_pct", "hit %", 1),
+    Column("turns_s", "turns/s", 1),
+    Column("p50_s", "p50 s", 2),
+    Column("p99_s", "p99 s", 2),
+    Column("imbalance", "imbal", 2),
+    Column("moved", "moved", 0),
+    Column("sessions", "sessions", 0),
+    Column("failed", "failed", 0),
+    Column("failed_plain", "failed non-streamed", 0),
+    Column("twice", "twice", 0),
+    Column("cpu_ms", "cpu ms", 2),
+)
+ADD_COLUMNS = (
+    Column("new_pct", "new %", 1),
+    Column("existing_moved", "exist moved", 0),
+    Column("existing", "existing", 0),
+)
+SYNC_COLUMNS = (
+    Column("target", "target"),
+    Column("hit_pct", "hit %", 1),
+    Column("turns_s", "turns/s", 1),
+    Column("p99_s", "p99 s", 2),
+    Column("failed", "failed", 0),
+    Column("aborted", "aborted", 0),
+    Column("stale", "stale", 0),
+    Column("mixed", "mixed", 0),
+    Column("unstamped", "unstamped", 0),
+    Column("replied", "replied", 0),
+    Column("pause_s", "pause s", 2),
+    Column("updates", "updates", 0),
+    Column("update_errors", "update errors", 0),
+)
+
+
+def tables(summary: dict[str, dict[str, dict[str, Any]]]) -> list[Table]:
+    """One table a scenario, the figures of the text tables under the same names (a count a column)."""
+    out = []
+    for name, rows in summary.items():
+        s = SCENARIOS[name]
+        columns = SYNC_COLUMNS if s.sync else COLUMNS + (ADD_COLUMNS if s.event == "add" else ())
+        columns += (Column("note", "note"),)
+        values = []
+        for target, r in rows.items():
+            row = {**r, "target": target, "hit_pct": 100 * r["hit"], "p50_s": r["p50"], "p99_s": r["p99"],
+                   "note": r.get("note") or None}  # fmt: skip
+            if "new_share" in r:
+                row["new_pct"] = 100 * r["new_share"]
+            values.append([row.get(c.key) for c in columns])
+        out.append(Table(name, f"{name}: {s.about}", columns, values))
+    return out
+
+
+def render_markdown(summary: dict[str, dict[str, dict[str, Any]]], checks: list[dict[str, Any]], head: str) -> str:
+    parts = [head, markdown(tables(summary))]
+    if checks:
+        columns = (Column("scenario", "scenario"), Column("target", "target"), Column("result", "result"),
+                   Column("check", "check"))  # fmt: skip
+        rows = [[c["scenario"], c["target"], "PASS" if c["ok"] else "FAIL", c["what"]] for c in checks]
+        parts.append(
+            markdown([Table("checks", "checks: each gymproxy target against the best baseline", columns, rows)])
+        )
+    return "\n\n".join(parts)
+
+
+def draw(path: str, runs: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    """Turns/s and p99 per scenario, a bar a target (median of the runs, whiskers the least and the most)."""
+    scenarios = [name for name, by in runs.items() if by]
+    targets = list(dict.fromkeys(t for name in scenarios for t in runs[name]))
+    panels = []
+    for key, label in (("turns_s", "turns/s (higher is better)"), ("p99", "p99 turn latency, s (lower is better)")):
+        bars = {}
+        for name in scenarios:
+            for target, rows in runs[name].items():
+                found = plot.bar([r.get(key) for r in rows])
+                if found is not None:
+                    bars[name, target] = found
+        panels.append(plot.Panel(label, label.split(" (")[0], scenarios, targets, bars))
+    repeats = max((len(rows) for by in runs.values() for rows in by.values()), default=1)
+    title = f"fleet: median of {repeats} run(s) per target\n(whiskers: the least and the most)"
+    plot.write(path, title, panels, columns=1)
 
 
 def is_baseline(target: str) -> bool:
@@ -764,6 +853,16 @@ def _variant(text: str) -> tuple[str, str]:
     return name.strip(), command
 
 
+QUICK = {
+    "scenarios": "kill,weight-sync",
+    "targets": "hash-mod-n,gymproxy",
+    "sessions": 48,
+    "duration": 5.0,
+    "warmup": 2.0,
+    "sync_every": 2.0,
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="fleet.py",
@@ -801,9 +900,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="new requests to an engine paused in abort/wait: 503 (vLLM >= 0.33) or queued (0.32)")  # fmt: skip
     sync.add_argument("--retries", type=int, help="client retries of a failed turn (default: 2, weight-sync 10)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a check fails")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     parser.add_argument("--render", metavar="FILE", help="print the tables of a --json result and run nothing")
-    args = parser.parse_args(argv)
+    options.add(
+        parser,
+        quick="scenarios kill and weight-sync, targets hash-mod-n and gymproxy, 48 sessions, 5 s after 2 s, "
+        "a weight update every 2 s: ~40 s",
+        pictures="turns/s and p99 latency, a group a scenario, a bar a target with its spread over --repeat runs",
+    )
+    args = options.parse(parser, argv, QUICK)
     args.scenario_list = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in args.scenario_list if s not in SCENARIOS]
     if unknown:
@@ -820,12 +924,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def report(args: argparse.Namespace, document: dict[str, Any], head: str) -> None:
+    """Print the result in --format, and draw it with --plot."""
+    if args.format == "json":
+        print(json.dumps(document, indent=1))
+    elif args.format == "markdown":
+        print(render_markdown(document["summary"], document["checks"], head))
+    elif args.format == "csv":
+        print(csv_text(tables(document["summary"]), "scenario"))
+    else:
+        print(head)
+        print(render(document["summary"], document["checks"]))
+    if args.plot:
+        draw(args.plot, document["runs"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        report = json.loads(Path(args.render).read_text())
-        print(render(report["summary"], report["checks"]))
-        return 1 if args.check and not all(c["ok"] for c in report["checks"]) else 0
+        document = json.loads(Path(args.render).read_text())
+        report(args, document, f"fleet: from {args.render}")
+        return 1 if args.check and not all(c["ok"] for c in document["checks"]) else 0
     skipped = []
     targets = []
     for target in args.target_list:
@@ -844,30 +963,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GYMPROXY_PIN_SECRET", "fleetbench")  # every gymproxy signs pins with one key
     log_dir = Path(tempfile.mkdtemp(prefix="fleetbench-"))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: defaultdict(list) for s in args.scenario_list}
-    for name in args.scenario_list:
-        mine = [t for t in targets if t in args.targets_of[name]]
-        if not mine:
-            continue
-        for rep in range(args.repeat):
+    plan = {name: [t for t in targets if t in args.targets_of[name]] for name in args.scenario_list}
+    progress = Progress(args.repeat * sum(map(len, plan.values())), quiet=args.quiet)
+    for name, mine in plan.items():
+        for rep in range(args.repeat if mine else 0):
             order = mine[rep % len(mine) :] + mine[: rep % len(mine)]
             for target in order:
                 row = asyncio.run(run_once(args, SCENARIOS[name], target, rep, log_dir))
                 runs[name][target].append(row)
-                print(
-                    f"# {name} {target} run {rep + 1}: {row['turns']} turns, hit {100 * row['hit']:.1f}%,"
+                progress.step(
+                    f"{name} {target} run {rep + 1}/{args.repeat}: {row['turns']} turns, hit {100 * row['hit']:.1f}%,"
                     f" failed {row['failed']}"
-                    + (f", aborted {row['aborted']}, stale {row['stale']}" if "aborted" in row else ""),
-                    file=sys.stderr,
-                    flush=True,
+                    + (f", aborted {row['aborted']}, stale {row['stale']}" if "aborted" in row else "")
                 )
     summary = {s: {t: median_row(runs[s][t]) for t in targets if runs[s][t]} for s in args.scenario_list}
     checks = goal_checks(summary, args.engines)
-    if args.json:
-        print(json.dumps({"summary": summary, "checks": checks, "skipped": skipped, "runs": runs}, indent=1))
-    else:
-        print(f"fleet: {args.engines} engines, {args.sessions} sessions, {args.duration:g} s measured after "
-              f"{args.warmup:g} s, {args.repeat} run(s) each (median); logs in {log_dir}")  # fmt: skip
-        print(render(summary, checks))
+    head = (
+        f"fleet: {args.engines} engines, {args.sessions} sessions, {args.duration:g} s measured after "
+        f"{args.warmup:g} s, {args.repeat} run(s) each (median); logs in {log_dir}"
+    )
+    report(args, {"summary": summary, "checks": checks, "skipped": skipped, "runs": runs}, head)
     return 1 if args.check and not all(c["ok"] for c in checks) else 0
 
 

@@ -2,6 +2,7 @@
 """Soak: the load scenario of tests/test_load.py at full size, in one process.
 
     python bench/soak.py                       # 2,000 concurrent streaming sessions, then 20,000 requests
+    python bench/soak.py --quick               # 500 sessions, then 5,000 requests: ~12 s
     python bench/soak.py --sessions 500 --requests 5000 --uvloop
 
 Several fake vLLMs and gymproxy (mounted with `gymproxy.setup`) run on one event loop with the
@@ -17,13 +18,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import resource
 import sys
 from pathlib import Path
+from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.loadrun import run  # noqa: E402
+import options  # noqa: E402
+from formats import Column, Table, csv_text, markdown  # noqa: E402
+from progress import Progress  # noqa: E402
+
+from tests.loadrun import LoadReport, run  # noqa: E402
+
+QUICK = {"sessions": 500, "requests": 5000, "concurrency": 250, "abandon": 50}
 
 
 def raise_fd_limit(needed: int) -> tuple[int, int]:
@@ -36,7 +47,7 @@ def raise_fd_limit(needed: int) -> tuple[int, int]:
     return soft, hard
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=2000, help="concurrent streaming sessions (default 2000)")
     parser.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
@@ -59,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         "--health-timeout", type=float, default=None, help="gymproxy health.timeout (default: gymproxy's)"
     )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
-    args = parser.parse_args(argv)
+    options.add(parser, quick="500 sessions, then 5,000 requests 250 at a time, then 50 walk-outs: ~12 s")
+    return options.parse(parser, argv, QUICK)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     # Each stream holds 4 fds in one process: client, gymproxy's side, its upstream connection, the fake's side.
     needed = 4 * max(args.sessions, args.concurrency) + 4 * args.abandon + 1024
     soft, hard = raise_fd_limit(needed)
@@ -71,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
+    progress = Progress(args.sessions * args.turns + args.requests + args.abandon, quiet=args.quiet)
     report = asyncio.run(
         run(
             sessions=args.sessions,
@@ -85,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             health={
                 k: v for k, v in (("interval", args.health_interval), ("timeout", args.health_timeout)) if v is not None
             },
+            phase_done=lambda phase, requests: progress.step(f"{phase}: done", requests),
         )
     )
     rss_slack = args.rss_slack if args.rss_slack is not None else 64 + args.sessions / 4
@@ -103,11 +120,49 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"open fds {report.fds[2]} vs baseline {report.fds[0]}")
     if report.rss[2] - report.rss[0] > rss_slack:
         failures.append(f"RSS grew {report.rss[2] - report.rss[0]:.0f} MiB (allowed {rss_slack:.0f})")
-    print(f"soak: fd limit {soft}, loop {'uvloop' if args.uvloop else 'asyncio'}")
-    for line in report.lines():
-        print("soak: " + line)
-    print("soak: " + ("FAIL: " + "; ".join(failures) if failures else "PASS"))
+    head = f"soak: fd limit {soft}, loop {'uvloop' if args.uvloop else 'asyncio'}"
+    verdict = "FAIL: " + "; ".join(failures) if failures else "PASS"
+    if args.format == "json":
+        print(json.dumps({**dataclasses.asdict(report), "failures": failures, "passed": not failures}, indent=1))
+    elif args.format == "markdown":
+        table = Table("soak", f"{head}: {verdict}", (Column("measure", "measure"), Column("value", "value")),
+                      [[c.title, v] for c, v in zip(COLUMNS, figures(report, verdict), strict=True)])  # fmt: skip
+        print(markdown([table]))
+    elif args.format == "csv":
+        print(csv_text([Table("soak", head, COLUMNS, [figures(report, verdict)])], "run"))
+    else:
+        print(head)
+        for line in report.lines():
+            print("soak: " + line)
+        print("soak: " + verdict)
     return 1 if failures else 0
+
+
+COLUMNS = tuple(
+    Column(key, title)
+    for key, title in (
+        ("sessions", "concurrent sessions"), ("turns", "turns a session"), ("requests", "requests after them"),
+        ("abandoned", "streams abandoned"), ("sessions_s", "sessions phase, s"), ("requests_s", "requests phase, s"),
+        ("abandon_s", "abandon phase, s"), ("ok", "answers ok"), ("errors", "errors"),
+        ("sessions_moved", "sessions moved"), ("sessions_short", "sessions short"),
+        ("upstream_generations", "upstream generations"), ("generations_expected", "generations expected"),
+        ("disconnects", "walk-outs seen upstream"), ("held_after", "upstream connections held after"),
+        ("inflight_after", "in flight after"), ("fds_baseline", "open fds: baseline"), ("fds_peak", "open fds: peak"),
+        ("fds_after", "open fds: after"), ("rss_baseline_mib", "RSS MiB: baseline"), ("rss_peak_mib", "RSS MiB: peak"),
+        ("rss_after_mib", "RSS MiB: after"), ("result", "result"),
+    )
+)  # fmt: skip
+
+
+def figures(report: LoadReport, verdict: str) -> list[Any]:
+    """The values of COLUMNS, in order."""
+    return [
+        report.sessions, report.turns, report.requests, report.abandoned,
+        *(round(report.seconds.get(phase, 0.0), 2) for phase in ("sessions", "requests", "abandon")),
+        report.ok, report.error_count, report.sessions_moved, report.sessions_short, report.upstream_generations,
+        report.generations_expected, report.disconnects, report.acquired_after, report.inflight_after,
+        *report.fds, *(round(mib, 1) for mib in report.rss), verdict,
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import random
 import re
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -302,7 +303,9 @@ async def run(
     fd_slack: int = 16,
     health: dict[str, float] | None = None,
     pinning: dict[str, Any] | None = None,
+    phase_done: Callable[[str, int], None] = lambda phase, requests: None,
 ) -> LoadReport:
+    """Run the phases; `phase_done(phase, requests it sent)` is told as each one ends (bench/soak.py's progress)."""
     backlog = max(1024, sessions + abandon)
     load = Load(upstreams=upstreams, keepalive=keepalive, backlog=backlog, health=health, pinning=pinning)
     report = load.report
@@ -318,6 +321,7 @@ async def run(
         await _settle(load, None, keepalive * 2 + 1, fd_slack)
         gc.collect()
         base_fds, base_rss = open_fds(), rss_mb()
+        phase_done("warm-up and baseline", 0)
         base_generations = sum(_generations(f) for f in load.fakes)
         sampler = asyncio.ensure_future(load.sampler())
 
@@ -331,10 +335,12 @@ async def run(
             started = time.monotonic()
             await asyncio.gather(*(load.session(client, i, turns, cookies) for i in range(sessions)))
             report.seconds["sessions"] = time.monotonic() - started
+            phase_done("sessions", sessions * turns)
 
             started = time.monotonic()
             await load.requests(client, requests, concurrency, cookies, pinned)
             report.seconds["requests"] = time.monotonic() - started
+            phase_done("requests", requests)
 
             started = time.monotonic()
             lost_before = sum(len(f.disconnects) for f in load.fakes)
@@ -349,6 +355,7 @@ async def run(
             report.acquired_after = acquired(load.proxy)
             report.inflight_after = sum(u.inflight for u in load.proxy.fleet.upstreams)
             report.seconds["abandon"] = time.monotonic() - started
+            phase_done("abandon", abandon)
 
         # Which upstream served each session: every prompt names its session.
         seen: dict[int, set[int]] = defaultdict(set)
@@ -373,6 +380,7 @@ async def run(
         await asyncio.gather(sampler, return_exceptions=True)
         after_fds = await _settle(load, base_fds, settle, fd_slack)
         gc.collect()
+        phase_done("open fds back near the baseline", 0)
         report.fds = (base_fds, load.peak_fds, after_fds)
         report.rss = (base_rss, load.peak_rss, rss_mb())
     finally:
