@@ -38,7 +38,7 @@ from typing import IO, Any
 
 import msgspec
 
-from . import vllm_errors
+from . import tasks, vllm_errors
 from .config import Config, ConfigError, Launch, UpstreamSpec
 
 log = logging.getLogger("gymproxy")
@@ -547,9 +547,7 @@ class Launcher:
         await asyncio.gather(*(self._terminate(r) for r in self.replicas))
         if self._tasks:  # each ends on its own now; one stuck in its cleanup is cancelled
             await asyncio.wait(self._tasks, timeout=LEFTOVER_GRACE_S + 1)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await tasks.cancel(self._tasks)
         running = sum(1 for r in self.replicas if r.state not in ("failed", "stopped"))
         for replica in self.replicas:
             if replica.state != "failed":

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from . import discovery
+from . import discovery, tasks
 from .capture import Capture
 from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_specs
 from .control import Control
@@ -276,9 +276,7 @@ class Proxy:
         self.fleet.stop()
         if self.control is not None:
             self.control.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await tasks.cancel(self._tasks)
         await self.fleet.client.close()
         if self.capture is not None:
             await self.capture.close()  # every record queued is written (SIGTERM's flush)

@@ -29,7 +29,7 @@ from typing import Any, cast
 import msgspec
 from aiohttp import web
 
-from . import __version__
+from . import __version__, tasks
 from .config import Config, ConfigError
 from .errors import quiet_malformed_requests
 from .launch import Launcher, LaunchFailed
@@ -426,8 +426,6 @@ def _fake_vllm(port: int, model: str) -> Callable[[web.Application], AsyncIterat
 
 
 def _cancel_tasks(loop: asyncio.AbstractEventLoop) -> None:
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    running = asyncio.all_tasks(loop)
+    if running:
+        loop.run_until_complete(tasks.cancel(running))
