@@ -9,6 +9,9 @@ is deterministic, so the files only change when this script does.
     chat_completion_plain.json vLLM 0.32's non-streamed reply, content only (`reasoning: null`)
     chat_completion_tool.json  the same with reasoning, a short answer and one tool call
     chat_stream_tool.sse       that reply streamed: role chunk, 197 deltas, finish, usage: 200 chunks
+    *_tokens.json, *_tokens.sse the same replies as vLLM sends them when asked for the tokens
+                               (`return_token_ids`, `logprobs` with `top_logprobs: 0`), as a capturing
+                               gymproxy asks: the prompt's 812 ids, each generated token's id and log prob
 """
 
 from __future__ import annotations
@@ -302,13 +305,43 @@ def chat_request() -> dict[str, Any]:
 
 def _usage(completion_tokens: int, *, stream: bool) -> dict[str, Any]:
     usage: dict[str, Any] = {
-        "prompt_tokens": 812,
-        "total_tokens": 812 + completion_tokens,
+        "prompt_tokens": PROMPT_TOKENS,
+        "total_tokens": PROMPT_TOKENS + completion_tokens,
         "completion_tokens": completion_tokens,
     }
     if not stream:
         usage["prompt_tokens_details"] = None  # the stream's usage chunk is dumped with exclude_none
     return usage
+
+
+PROMPT_TOKENS = 812
+
+
+def _token_id(piece: str) -> int:
+    return zlib.crc32(piece.encode()) % 151_000
+
+
+def _entry(piece: str) -> dict[str, Any]:
+    """One generated token's log prob, as vLLM 0.32 writes it with `top_logprobs: 0`."""
+    return {"token": piece, "logprob": -((_token_id(piece) % 997) + 1) / 1000, "bytes": list(piece.encode()),
+            "top_logprobs": []}  # fmt: skip
+
+
+def _prompt_ids() -> list[int]:
+    return [_token_id(f"prompt {i}") for i in range(PROMPT_TOKENS)]
+
+
+def _with_tokens(reply: dict[str, Any], pieces: list[str]) -> dict[str, Any]:
+    """A whole reply as vLLM sends it when asked for its tokens."""
+    choice = {**reply["choices"][0], "logprobs": {"content": [_entry(p) for p in pieces]},
+              "token_ids": [_token_id(p) for p in pieces]}  # fmt: skip
+    return {**reply, "choices": [choice], "prompt_token_ids": _prompt_ids()}
+
+
+def _generated(message: dict[str, Any], count: int) -> list[str]:
+    """A reply's generated text cut into its `count` tokens."""
+    calls = "".join(c["function"]["name"] + c["function"]["arguments"] for c in message.get("tool_calls") or [])
+    return _chars((message.get("reasoning") or "") + (message.get("content") or "") + calls, count)
 
 
 def _completion(message: dict[str, Any], finish_reason: str, completion_tokens: int) -> dict[str, Any]:
@@ -362,22 +395,31 @@ def _pieces(text: str, count: int) -> list[str]:
     return [piece if i == 0 else " " + piece for i, piece in enumerate(out)]
 
 
-def chat_stream_tool() -> list[dict[str, Any]]:
-    """vLLM 0.32's chunks for chat_completion_tool, in order (without the final [DONE])."""
+def _tokens_of(reply: dict[str, Any]) -> dict[str, Any]:
+    message = reply["choices"][0]["message"]
+    return _with_tokens(reply, _generated(message, reply["usage"]["completion_tokens"]))
+
+
+def chat_stream_tool(*, tokens: bool = False) -> list[dict[str, Any]]:
+    """vLLM 0.32's chunks for chat_completion_tool, in order (without the final [DONE]); with
+    `tokens`, as it streams them when asked for the tokens (one generated token a delta chunk)."""
     base = {"id": COMPLETION_ID, "object": "chat.completion.chunk", "created": CREATED, "model": MODEL}
 
     def chunk(delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+        piece = "".join(str(v) for v in delta.values() if isinstance(v, str)) or "x"
+        generated = tokens and finish_reason is None and "role" not in delta
         choice = {
             "index": 0,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": {"content": [_entry(piece)] if generated else []} if tokens else None,
             "finish_reason": finish_reason,
             **extra,
-            "token_ids": None,
+            "token_ids": ([_token_id(piece)] if generated else []) if tokens else None,
         }
         return {**base, "choices": [choice]}
 
-    chunks = [{**chunk({"role": "assistant", "content": ""}), "prompt_token_ids": None}]
+    prompt = _prompt_ids() if tokens else None
+    chunks = [{**chunk({"role": "assistant", "content": ""}), "prompt_token_ids": prompt}]
     chunks += [chunk({"reasoning": p}) for p in _pieces(REASONING_TEXT, STREAM_REASONING)]
     chunks += [chunk({"content": p}) for p in _pieces(ANSWER_TEXT, STREAM_CONTENT)]
     fragments = _chars(TOOL_ARGUMENTS, STREAM_ARGUMENTS + 1)
@@ -418,6 +460,10 @@ def files() -> dict[str, bytes]:
     out["chat_completion_tool.json"] = _dump(chat_completion_tool())
     frames = b"".join(b"data: " + _dump(c) + b"\n\n" for c in chat_stream_tool())
     out["chat_stream_tool.sse"] = frames + b"data: [DONE]\n\n"
+    out["chat_completion_plain_tokens.json"] = _dump(_tokens_of(chat_completion_plain()))
+    out["chat_completion_tool_tokens.json"] = _dump(_tokens_of(chat_completion_tool()))
+    frames = b"".join(b"data: " + _dump(c) + b"\n\n" for c in chat_stream_tool(tokens=True))
+    out["chat_stream_tool_tokens.sse"] = frames + b"data: [DONE]\n\n"
     return out
 
 

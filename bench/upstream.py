@@ -12,6 +12,9 @@ without parsing JSON:
     `"model":"bench-plain"`        bench/data/chat_completion_plain.json (content only)
     anything else                  bench/data/chat_completion_tool.json (reasoning + a tool call)
 
+and, when the body asks for the tokens (`"return_token_ids":true`, as a capturing gymproxy does),
+the `*_tokens` version of that reply: the prompt's ids, each generated token's id and log prob.
+
 A stream's first chunk goes out with the headers, then one chunk every `--chunk-interval` seconds,
 each in its own write, as vLLM sends one chunk per engine step (0: the whole stream in one write).
 GET /health and GET /v1/models answer 200 for gymproxy's startup probe and health checks.
@@ -54,9 +57,10 @@ class Replies:
         self.interval = interval
         self.plain = (DATA / "chat_completion_plain.json").read_bytes()
         self.tool = (DATA / "chat_completion_tool.json").read_bytes()
-        raw = (DATA / "chat_stream_tool.sse").read_bytes()
-        # One HTTP chunk per SSE frame, as uvicorn writes one per yielded chunk.
-        self.frames = [_chunk(frame + b"\n\n") for frame in raw.split(b"\n\n") if frame]
+        self.frames = _frames(DATA / "chat_stream_tool.sse")
+        self.plain_tokens = (DATA / "chat_completion_plain_tokens.json").read_bytes()
+        self.tool_tokens = (DATA / "chat_completion_tool_tokens.json").read_bytes()
+        self.frames_tokens = _frames(DATA / "chat_stream_tool_tokens.sse")
         self.date = b""
         self.refresh_date()
 
@@ -71,6 +75,11 @@ class Replies:
             size,
             content_type,
         )
+
+
+def _frames(path: Path) -> list[bytes]:
+    """One HTTP chunk per SSE frame, as uvicorn writes one per yielded chunk."""
+    return [_chunk(frame + b"\n\n") for frame in path.read_bytes().split(b"\n\n") if frame]
 
 
 def _chunk(data: bytes) -> bytes:
@@ -128,31 +137,37 @@ class CannedVLLM(asyncio.Protocol):
             self.transport.write(replies.head(b"200 OK", b"application/json", len(payload)) + payload)
         elif not head.startswith(b"post "):
             self.fail(b"405 Method Not Allowed")
-        elif b'"stream":true' in body:
-            self.stream()
         else:
-            payload = replies.plain if b'"model":"bench-plain"' in body else replies.tool
+            tokens = b'"return_token_ids":true' in body
+            if b'"stream":true' in body:
+                self.stream(replies.frames_tokens if tokens else replies.frames)
+                return
+            if b'"model":"bench-plain"' in body:
+                payload = replies.plain_tokens if tokens else replies.plain
+            else:
+                payload = replies.tool_tokens if tokens else replies.tool
             self.transport.write(replies.head(b"200 OK", b"application/json", len(payload)) + payload)
 
-    def stream(self) -> None:
+    def stream(self, frames: list[bytes]) -> None:
         assert self.transport is not None
         replies = self.replies
         head = replies.head(b"200 OK", b"text/event-stream; charset=utf-8", None)
         if replies.interval <= 0:
-            self.transport.write(head + b"".join(replies.frames) + b"0\r\n\r\n")
+            self.transport.write(head + b"".join(frames) + b"0\r\n\r\n")
             return
         self.busy = True
-        self.transport.write(head + replies.frames[0])
-        self.timer = asyncio.get_running_loop().call_later(replies.interval, self.next_frame, 1)
+        self.transport.write(head + frames[0])
+        self.timer = asyncio.get_running_loop().call_later(replies.interval, self.next_frame, frames, 1)
 
-    def next_frame(self, index: int) -> None:
+    def next_frame(self, frames: list[bytes], index: int) -> None:
         self.timer = None
         if self.transport is None or self.transport.is_closing():
             return  # the client went away: stop, as vLLM aborts the request
-        frames = self.replies.frames
         if index < len(frames):
             self.transport.write(frames[index])
-            self.timer = asyncio.get_running_loop().call_later(self.replies.interval, self.next_frame, index + 1)
+            self.timer = asyncio.get_running_loop().call_later(
+                self.replies.interval, self.next_frame, frames, index + 1
+            )
             return
         self.transport.write(b"0\r\n\r\n")
         self.busy = False

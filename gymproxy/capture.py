@@ -10,9 +10,11 @@ or, with `capture.required`, a 503. The `Recording` it returns then:
 - `ask(body)` asks vLLM's chat API for the exact tokens (`return_token_ids`, and `logprobs` with
   `top_logprobs: 0` unless the client asked for log probs itself), remembering what the client did
   not ask for;
-- `read(reply)` takes them from a whole chat reply (or a stream's `token_reply()`), `strip(reply)`
-  sets what the client did not ask for back to the nulls vLLM sends then, and `tap(payload)` does
-  both for each chunk of a chat stream;
+- `cut(payload)` takes them from a whole chat reply and sets what the client did not ask for back
+  to the nulls vLLM sends then; `tap(payload)` does the same for each payload of a stream, and
+  `tapped()` records what the stream carried. Both find vLLM's token fields in its compact JSON as
+  bytes, and the record keeps them as that JSON: on the request path they are never parsed (a
+  reply written otherwise is, and `read`/`strip` do it on the mapping);
 - `end(...)` queues the call's record: upstream, weight version, outcome, finish reason, usage
   and tokens. Writes never wait (`rollouts.store`).
 """
@@ -41,30 +43,28 @@ ROLLOUT_HEADER: Final = "X-Rollout-ID"
 ROLLOUT_ID: Final = re.compile(r"[A-Za-z0-9._:@+=\-]{1,200}")
 
 
-# The token fields of a whole chat reply, decoded straight from its bytes (the rest is skipped).
+# vLLM's token fields as its compact JSON writes them (`Recording.cut`, `Recording.tap`).
+_PROMPT_IDS: Final = b'"prompt_token_ids":['
+_TOKEN_IDS: Final = b'"token_ids":['
+_LOGPROBS: Final = b'"logprobs":{'
+_FINISH_REASON: Final = b'"finish_reason":"'
+# A choice's log probs end where its finish reason begins: no key of a JSON object can be matched
+# inside one of its strings, whose quotes are escaped.
+_AFTER_LOGPROBS: Final = b',"finish_reason":'
+_LOGPROB: Final = re.compile(rb'"logprob":(-?[0-9][0-9.eE+\-]*)')
+# A token field with a value the client did not ask for (vLLM sends `null` when not asked).
+_SHOWN: Final = re.compile(rb'"(?:prompt_token_ids|token_ids)"\s*:\s*\[|"logprobs"\s*:\s*\{')
+
+
 class _LogProb(msgspec.Struct):
-    logprob: Any = None
+    logprob: float
 
 
 class _LogProbs(msgspec.Struct):
     content: list[_LogProb] | None = None
 
 
-class _Choice(msgspec.Struct):
-    token_ids: Any = None
-    logprobs: _LogProbs | None = None
-    finish_reason: Any = None
-
-
-class _Tokens(msgspec.Struct):
-    prompt_token_ids: Any = None
-    choices: list[_Choice] = []
-    usage: Any = None
-
-
-_TOKENS: Final = msgspec.json.Decoder(_Tokens)
-# A token field with a value the client did not ask for (vLLM sends `null` when not asked).
-_SHOWN: Final = re.compile(rb'"(?:prompt_token_ids|token_ids)"\s*:\s*\[|"logprobs"\s*:\s*\{')
+_LOGPROBS_VIEW: Final = msgspec.json.Decoder(_LogProbs)
 
 
 def rollout_id(value: str, where: str) -> str:
@@ -193,6 +193,7 @@ class Recording:
         "strip_usage",
         "lost",
         "usage",
+        "_top",
         "_prompt",
         "_generated",
         "_logprobs",
@@ -206,9 +207,10 @@ class Recording:
         self.strip_usage = False  # nor, streamed, for the usage chunk
         self.lost = False  # the start record was not taken
         self.usage: Any = None  # vLLM's usage, as the exchange read it
-        self._prompt: Any = None  # a chat stream's token fields, as `tap` meets them
-        self._generated: list[int] = []
-        self._logprobs: list[Any] = []
+        self._top = 0  # top_logprobs asked of vLLM: each token's log prob then comes with its alternatives'
+        self._prompt: bytes | None = None  # a stream's token fields as `tap` meets them, as JSON
+        self._generated = bytearray()  # the generated ids, comma-separated
+        self._logprobs: list[bytes] = []  # their log probs, as JSON numbers
 
     def ask(self, body: dict[str, Any]) -> None:
         """Ask vLLM's chat API for the tokens, in the body about to be sent."""
@@ -219,6 +221,8 @@ class Recording:
             body["logprobs"] = True
             body["top_logprobs"] = 0
             self.strip_logprobs = True
+        top = body.get("top_logprobs")
+        self._top = top if isinstance(top, int) else 0
         options = body.get("stream_options")
         if body.get("stream") is True and not (isinstance(options, dict) and options.get("include_usage") is True):
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -229,8 +233,50 @@ class Recording:
                 request["tools"] = body["tools"]
             self.call.request = request
 
+    # --- a whole reply ------------------------------------------------------------------------------
+
+    def cut(self, payload: bytes) -> bytes:
+        """A whole chat reply: its first choice's tokens and finish reason recorded, and what the
+        client did not ask for set back to the nulls vLLM sends then; the reply for the client.
+
+        vLLM writes compact JSON, so the token fields are found as bytes and never parsed here: the
+        record keeps them as the JSON vLLM sent. A reply written otherwise is parsed (`read`, `strip`)."""
+        call = self.call
+        nulled: list[tuple[int, int]] = []
+        at = 0  # each choice's fields are looked for after the last one's, so each byte is read once
+        while (fields := _choice(payload, at)) is not None:
+            logprobs, generated = fields
+            if at == 0:
+                if logprobs is not None:
+                    call.generation_log_probs = _numbers(self._values(payload[logprobs[0] : logprobs[1]]))
+                    call.finish_reason = _string(payload, _FINISH_REASON, logprobs[1]) or call.finish_reason
+                if generated is not None:
+                    call.generation_token_ids = msgspec.Raw(payload[generated[0] : generated[1]])
+            if logprobs is not None and self.strip_logprobs:
+                nulled.append(logprobs)
+            if generated is not None and self.strip_ids:
+                nulled.append(generated)
+            at = max(span[1] for span in fields if span is not None)
+        prompt = _array(payload, _PROMPT_IDS, at) or (_array(payload, _PROMPT_IDS) if at else None)
+        if prompt is not None:
+            call.prompt_token_ids = msgspec.Raw(payload[prompt[0] : prompt[1]])
+            if self.strip_ids:
+                nulled.append(prompt)
+        if call.finish_reason is None:
+            call.finish_reason = _string(payload, _FINISH_REASON)
+        out = _nulled(payload, nulled) if nulled else payload
+        if self._shows(out):
+            reply = orjson.loads(payload)
+            if not isinstance(reply, dict):
+                return payload  # not a chat reply: the exchange says so
+            self.read(reply)
+            self.strip(reply)
+            return orjson.dumps(reply)
+        return out
+
     def read(self, reply: dict[str, Any]) -> None:
-        """The tokens and finish reason of a chat reply (or of a stream's `token_reply()`)."""
+        """The tokens and finish reason of a chat reply as a mapping (the completions backend's, or
+        one not written as vLLM writes it)."""
         call = self.call
         call.prompt_token_ids = _ints(reply.get("prompt_token_ids"))
         choice = _first_choice(reply)
@@ -244,31 +290,6 @@ class Recording:
         if isinstance(reason, str):
             call.finish_reason = reason
 
-    def read_payload(self, payload: bytes) -> None:
-        """The tokens, finish reason and usage of a whole chat reply, from its bytes."""
-        try:
-            view = _TOKENS.decode(payload)
-        except msgspec.DecodeError:
-            return  # not the shape vLLM sends: the exchange's own checks say so
-        call = self.call
-        call.prompt_token_ids = _ints(view.prompt_token_ids)
-        self.usage = view.usage
-        if not view.choices:
-            return
-        choice = view.choices[0]
-        call.generation_token_ids = _ints(choice.token_ids)
-        if choice.logprobs is not None and choice.logprobs.content is not None:
-            values = [entry.logprob for entry in choice.logprobs.content]
-            call.generation_log_probs = (
-                values if all(isinstance(v, float | int) and not isinstance(v, bool) for v in values) else None
-            )
-        if isinstance(choice.finish_reason, str):
-            call.finish_reason = choice.finish_reason
-
-    def shown(self, payload: bytes) -> bool:
-        """Whether a reply carries token fields the client did not ask for (`strip` them)."""
-        return (self.strip_ids or self.strip_logprobs) and _SHOWN.search(payload) is not None
-
     def strip(self, reply: dict[str, Any]) -> None:
         """What the client did not ask for, back to the nulls vLLM sends when not asked."""
         if self.strip_ids and "prompt_token_ids" in reply:
@@ -280,45 +301,97 @@ class Recording:
                 if self.strip_logprobs and "logprobs" in choice:
                     choice["logprobs"] = None
 
+    # --- a stream -----------------------------------------------------------------------------------
+
     def tap(self, payload: bytes) -> bytes | None:
         """One chat stream payload: its token fields kept, and stripped from what the client gets
         (None: the payload is not the client's: the usage chunk it did not ask for)."""
-        if b"token_ids" not in payload and b'"logprobs"' not in payload and b'"usage"' not in payload:
+        if b'token_ids":[' not in payload and b'"logprobs":' not in payload and b'"usage":{' not in payload:
             return payload
+        if b'"choices":[]' in payload:  # the usage chunk: the only one without choices
+            chunk = orjson.loads(payload)
+            self.usage = chunk.get("usage") if isinstance(chunk, dict) else None
+            return None if self.strip_usage else payload
+        kept = (self._prompt, len(self._generated), len(self._logprobs))
+        nulled: list[tuple[int, int]] = []
+        fields = _choice(payload, 0)
+        at = 0
+        if fields is not None:
+            logprobs, generated = fields
+            if logprobs is not None:
+                self._logprobs += self._values(payload[logprobs[0] : logprobs[1]])
+                reason = _string(payload, _FINISH_REASON, logprobs[1])
+                if reason is not None:
+                    self.call.finish_reason = reason
+                if self.strip_logprobs:
+                    nulled.append(logprobs)
+            if generated is not None:
+                self._generate(payload[generated[0] + 1 : generated[1] - 1])
+                if self.strip_ids:
+                    nulled.append(generated)
+            at = max(span[1] for span in fields if span is not None)
+        prompt = _array(payload, _PROMPT_IDS, at) or (_array(payload, _PROMPT_IDS) if at else None)
+        if prompt is not None:
+            self._prompt = payload[prompt[0] : prompt[1]]
+            if self.strip_ids:
+                nulled.append(prompt)
+        if self.call.finish_reason is None and (fields is None or fields[0] is None):
+            reason = _string(payload, _FINISH_REASON)
+            if reason is not None:
+                self.call.finish_reason = reason
+        out = _nulled(payload, nulled) if nulled else payload
+        if not self._shows(out):
+            return out
+        # Not written as vLLM writes it: what the scan took goes, and the payload is parsed.
+        self._prompt = kept[0]
+        del self._generated[kept[1] :]
+        del self._logprobs[kept[2] :]
         chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             return payload
-        usage = chunk.get("usage")
-        if usage is not None:
-            self.usage = usage
-            if self.strip_usage and not chunk.get("choices"):
-                return None
-        prompt = chunk.get("prompt_token_ids")
-        if prompt is not None:
-            self._prompt = prompt
+        ids = _ints(chunk.get("prompt_token_ids"))
+        if ids is not None:
+            self._prompt = orjson.dumps(ids)
         choice = _first_choice(chunk)
         if choice is not None:
-            ids = choice.get("token_ids")
-            if isinstance(ids, list):
-                self._generated.extend(ids)
+            ids = _ints(choice.get("token_ids"))
+            if ids:
+                self._generate(orjson.dumps(ids)[1:-1])
             logprobs = choice.get("logprobs")
-            content = logprobs.get("content") if isinstance(logprobs, dict) else None
-            if isinstance(content, list):
-                self._logprobs.extend(content)
-            reason = choice.get("finish_reason")
-            if isinstance(reason, str):
-                self.call.finish_reason = reason
-        if not (self.strip_ids or self.strip_logprobs):
-            return payload
+            values = _log_probs(logprobs.get("content") if isinstance(logprobs, dict) else None)
+            self._logprobs += [orjson.dumps(value) for value in values or ()]
         self.strip(chunk)
         return orjson.dumps(chunk)
 
-    def tapped(self) -> dict[str, Any]:
-        """What `tap` kept, shaped as a whole reply for `read`."""
-        choice = {"token_ids": self._generated, "logprobs": {"content": self._logprobs}}
-        if self.call.finish_reason is not None:
-            choice["finish_reason"] = self.call.finish_reason
-        return {"prompt_token_ids": self._prompt, "choices": [choice]}
+    def tapped(self) -> None:
+        """What `tap` kept, into the record (the stream has ended)."""
+        call = self.call
+        if self._prompt is not None:
+            call.prompt_token_ids = msgspec.Raw(self._prompt)
+        call.generation_token_ids = msgspec.Raw(b"[" + self._generated + b"]")
+        call.generation_log_probs = _numbers(self._logprobs)
+
+    def _generate(self, ids: bytes) -> None:
+        """Comma-separated ids, added to those generated so far."""
+        if ids:
+            if self._generated:
+                self._generated += b","
+            self._generated += ids
+
+    def _values(self, logprobs: bytes) -> list[bytes]:
+        """The log probs of a choice's `logprobs` object as vLLM wrote it, as JSON numbers (parsed
+        only when each comes with alternatives, whose log probs a scan would take as well)."""
+        if not self._top:
+            return _LOGPROB.findall(logprobs)
+        try:
+            content = _LOGPROBS_VIEW.decode(logprobs).content
+        except msgspec.DecodeError:
+            return []
+        return [orjson.dumps(entry.logprob) for entry in content or ()]
+
+    def _shows(self, payload: bytes) -> bool:
+        """Whether token fields the client did not ask for are still in `payload`."""
+        return (self.strip_ids or self.strip_logprobs) and _SHOWN.search(payload) is not None
 
     def end(
         self,
@@ -375,3 +448,60 @@ def _log_probs(content: Any) -> list[float] | None:
             return None
         values.append(float(logprob))
     return values
+
+
+def _array(payload: bytes, key: bytes, start: int = 0) -> Span | None:
+    """The span of the array of numbers that `key` (ending in `[`) opens, brackets included."""
+    at = payload.find(key, start)
+    if at < 0:
+        return None
+    begin = at + len(key) - 1
+    end = payload.find(b"]", begin)
+    return None if end < 0 else (begin, end + 1)
+
+
+def _object(payload: bytes, key: bytes, start: int = 0) -> Span | None:
+    """The span of a choice's `logprobs` object (`key` ends in `{`), up to its finish reason."""
+    at = payload.find(key, start)
+    if at < 0:
+        return None
+    end = payload.find(_AFTER_LOGPROBS, at)
+    return None if end < 0 else (at + len(key) - 1, end)
+
+
+Span = tuple[int, int]
+
+
+def _choice(payload: bytes, start: int) -> tuple[Span | None, Span | None] | None:
+    """The spans of the next choice's `logprobs` object and `token_ids` array from `start` (vLLM
+    writes `token_ids` after `logprobs`); None when there is neither."""
+    logprobs = _object(payload, _LOGPROBS, start)
+    generated = _array(payload, _TOKEN_IDS, logprobs[1] if logprobs is not None else start)
+    if logprobs is None and generated is None:
+        return None
+    return logprobs, generated
+
+
+def _string(payload: bytes, key: bytes, start: int = 0) -> str | None:
+    """The first value of `key` (ending in `"`) from `start`, when it is a plain string."""
+    at = payload.find(key, start)
+    if at < 0:
+        return None
+    begin = at + len(key)
+    end = payload.find(b'"', begin)
+    return None if end < 0 else payload[begin:end].decode("utf-8", "replace")
+
+
+def _nulled(payload: bytes, spans: list[Span]) -> bytes:
+    """`payload` with each of `spans` (in order, not overlapping) replaced by `null`."""
+    pieces, done = [], 0
+    for begin, end in sorted(spans):
+        pieces += [payload[done:begin], b"null"]
+        done = end
+    pieces.append(payload[done:])
+    return b"".join(pieces)
+
+
+def _numbers(values: list[bytes]) -> msgspec.Raw:
+    """JSON numbers as one JSON array."""
+    return msgspec.Raw(b"[" + b",".join(values) + b"]")

@@ -578,23 +578,21 @@ class Exchange:
             sent, payload = await self._unless_aborted(sent, payload, backend.route, data, "POST")
         self.caller.weights = weights = sent.versions()
         ended = time.monotonic()
-        chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
         recording = self.caller.recording
-        if recording is not None:
-            if backend.route == "chat":
-                recording.read_payload(payload)
-            else:  # the completions backend: its reply made chat-shaped
-                recording.read(chat.mapping())
-                recording.usage = chat.usage()
+        if recording is not None and backend.route == "chat":
+            payload = recording.cut(payload)  # recorded, and without what the client did not ask for
+        chat = backend.reply(payload, f"the upstream {sent.upstream.url}")
+        if recording is not None and backend.route != "chat":  # the completions backend's, made chat-shaped
+            recording.read(chat.mapping())
         tokens = None
         if self.proxy.config.return_token_id_information and answer.training_tokens:
             tokens = await self._tokens(sent.upstream, backend, backend.tokens(chat))
             tokens.weight_version = weights
-        if recording is not None and answer.shows_tokens and recording.shown(chat.payload):
-            recording.strip(chat.mapping())
-            chat = ChatReply(None, chat.source, chat.mapping())
         body = answer.whole(chat, tokens, continued=backend.continued)
-        self._count_usage(sent, chat.usage(), ended)  # read by the conversion: never parsed for this alone
+        usage = chat.usage()  # read by the conversion: never parsed for this alone
+        if recording is not None:
+            recording.usage = usage
+        self._count_usage(sent, usage, ended)
         return web.Response(body=body, content_type=JSON)
 
     async def _stream(self, backend: Backend, answer: Answer, data: bytes) -> web.StreamResponse:
@@ -610,8 +608,6 @@ class Exchange:
                 )
             translator = answer.stream(continued=backend.continued, reasoning=backend.reasoning)
             recording = self.caller.recording
-            if recording is not None and isinstance(translator, ChatStream):
-                translator.tap = recording.tap
             if isinstance(translator, ResponsesStream):  # it keeps it all for its last event: a whole reply
                 self._limit(reply)
             self.caller.weights = sent.upstream.version  # the headers go first: its version as it starts
@@ -620,11 +616,8 @@ class Exchange:
                 tail = await self._translate(sent, backend, translator, writer)
                 usage = translator.usage
                 if recording is not None:
-                    if isinstance(translator, ChatStream):
-                        recording.read(recording.tapped())
-                        usage = usage if usage is not None else recording.usage  # a usage chunk kept from the client
-                    else:
-                        recording.read(translator.token_reply())  # type: ignore[attr-defined]
+                    recording.tapped()
+                    usage = usage if usage is not None else recording.usage  # a usage chunk kept from the client
                     recording.usage = usage
                 self._count_usage(sent, usage, time.monotonic())
                 if tail is not None:
@@ -641,7 +634,9 @@ class Exchange:
         translator, so the client sees one stream."""
         config = self.proxy.config
         payloads = Payloads(backend.adapter(), config.limits.max_reply_size)
-        feed = translator.payload
+        feed: Callable[[bytes], bytes] = translator.payload
+        if self.caller.recording is not None:
+            feed = _tapped(self.caller.recording.tap, feed, chat_client=isinstance(translator, ChatStream))
         out: list[bytes] = []
         # A captured stream is not continued: its record holds one generation, as vLLM sampled it.
         watch = (
@@ -892,3 +887,20 @@ class Exchange:
 
     def _first_byte(self) -> None:
         self.proxy.metrics.ttfb.observe(self.caller.route, time.monotonic() - self.caller.start)
+
+
+def _tapped(
+    tap: Callable[[bytes], bytes | None], feed: Callable[[bytes], bytes], *, chat_client: bool
+) -> Callable[[bytes], bytes]:
+    """`feed` behind capture's tap (`capture.Recording.tap`): each payload's token fields recorded,
+    and those the client did not ask for taken out; a chat client's unasked usage chunk dropped."""
+
+    def tapped(payload: bytes) -> bytes:
+        kept = tap(payload)
+        if kept is None:
+            if chat_client:
+                return b""
+            kept = payload
+        return feed(kept)
+
+    return tapped

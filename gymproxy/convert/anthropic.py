@@ -439,7 +439,7 @@ class MessagesStream:
     block or opens the next (`thinking`, closed with its `signature_delta`; `text`; `tool_use`, whose
     arguments stream as `input_json_delta`s, and text arriving inside one is held until it closes);
     the usage chunk closes the last block and sends `message_delta` (stop reason, usage); `finish`
-    sends `message_stop`. It also keeps the stream's token fields for capture (`token_reply`).
+    sends `message_stop`.
     """
 
     def __init__(self) -> None:
@@ -457,9 +457,6 @@ class MessagesStream:
         self._tool_used = False
         self._arguments: list[str] = []  # the last tool_use block's
         self._frames: list[bytes] = []
-        self._prompt: Any = None
-        self._generated: list[int] = []
-        self._logprobs: list[Any] = []
 
     def start(self) -> bytes:
         return b""  # `message_start` carries the first chunk's id, model and usage
@@ -495,25 +492,10 @@ class MessagesStream:
     def partial(self) -> None:
         return None
 
-    def token_reply(self) -> dict[str, Any]:
-        """The token fields the stream carried, shaped as a whole reply (for `capture.Recording.read`)."""
-        choice: dict[str, Any] = {"token_ids": self._generated, "logprobs": {"content": self._logprobs}}
-        if self._finish is not None:
-            choice["finish_reason"] = self._finish
-        return {"prompt_token_ids": self._prompt, "choices": [choice]}
-
     def _feed(self, chunk: ChatChunk) -> None:
         if chunk.usage is not None:
             self.usage = chunk.usage
-        if chunk.prompt_token_ids is not None:
-            self._prompt = chunk.prompt_token_ids
         choice = chunk.choices[0] if chunk.choices else None
-        if choice is not None:
-            if isinstance(choice.token_ids, list):
-                self._generated.extend(choice.token_ids)
-            logprobs = choice.logprobs.get("content") if isinstance(choice.logprobs, dict) else None
-            if isinstance(logprobs, list):
-                self._logprobs.extend(logprobs)
         if not self._started:
             self._started = True
             message: dict[str, Any] = {"id": chunk.id or f"msg_{int(time.time() * 1000)}", "type": "message"}

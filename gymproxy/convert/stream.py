@@ -12,7 +12,6 @@ may straddle chunks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -679,9 +678,6 @@ class ChatStream:
         self.ended = False  # vLLM sent its error chunk: [DONE] is all that may follow
         self.usage: Any = None
         self.kept: _Kept | None = None  # what `partial` needs, once asked to `keep` it
-        # Capture's look at each payload first (`capture.Recording.tap`): it keeps the token fields
-        # and takes out those the client did not ask for.
-        self.tap: Callable[[bytes], bytes | None] | None = None
 
     def start(self) -> bytes:
         return b""
@@ -698,11 +694,6 @@ class ChatStream:
         return "".join(kept.content), "".join(kept.reasoning), len(kept.content) + len(kept.reasoning)
 
     def payload(self, payload: bytes) -> bytes:
-        if self.tap is not None:
-            tapped = self.tap(payload)
-            if tapped is None:
-                return b""
-            payload = tapped
         if self.kept is not None:
             self.kept.add(payload)
         checked = _CHUNK_CHECK.decode(payload)

@@ -35,10 +35,17 @@ class Call(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: str | None = None
     error: str | None = None  # what went wrong, when outcome is "error" or "cut"
     usage: dict[str, Any] | None = None  # vLLM's usage object
-    prompt_token_ids: list[int] | None = None
-    generation_token_ids: list[int] | None = None
-    generation_log_probs: list[float] | None = None
+    # The tokens as vLLM returned them. Capture keeps them as the JSON vLLM sent (`msgspec.Raw`, written
+    # to the store as they are, never parsed on the request path); a call read back has lists.
+    prompt_token_ids: list[int] | msgspec.Raw | None = None
+    generation_token_ids: list[int] | msgspec.Raw | None = None
+    generation_log_probs: list[float] | msgspec.Raw | None = None
     request: dict[str, Any] | None = None  # `capture.record_requests`: messages and tools as sent to vLLM
+
+
+# How a store writes a call and reads it back: JSON, so the tokens capture kept as JSON go as they are.
+encode_call: Final = msgspec.json.Encoder().encode
+decode_call: Final = msgspec.json.Decoder(Call).decode
 
 
 class Rollout(msgspec.Struct, kw_only=True):

@@ -36,9 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
-
-from .record import Call, Rollout, State, Summary
+from .record import Call, Rollout, State, Summary, decode_call, encode_call
 from .store import Bounds, Stats, StoreError
 
 log = logging.getLogger("gymproxy")
@@ -78,8 +76,6 @@ UPSERT_ROLLOUT: Final = (
     "ON CONFLICT (id) DO UPDATE SET updated = excluded.updated, bytes = bytes + excluded.bytes"
 )
 
-_ENCODE: Final = msgspec.msgpack.Encoder().encode
-_DECODE: Final = msgspec.msgpack.Decoder(Call).decode
 
 Op = tuple[str, Any, "Future[Any] | None"]  # (kind, payload, the future of an awaited op)
 
@@ -255,7 +251,7 @@ class SQLiteStore:
                         continue
                     if kind == "begin" and call.outcome != "in_flight":
                         continue  # its end is queued: written once
-                    data = _ENCODE(call)
+                    data = encode_call(call)
                     calls.append((call.call_id, rollout, call.outcome, data))
                     created, size = touched.get(rollout, (call.started, 0))
                     touched[rollout] = (created, size + len(data))
@@ -364,7 +360,7 @@ def _rollout(db: sqlite3.Connection, rollout: str) -> Rollout | None:
         return None
     calls = []
     for seq, (data,) in enumerate(db.execute("SELECT data FROM calls WHERE rollout = ? ORDER BY ord", (rollout,)), 1):
-        call = _DECODE(data)
+        call = decode_call(data)
         call.seq = seq
         calls.append(call)
     state, created, updated, frozen_at, refused = row

@@ -18,11 +18,13 @@ chain goes on in the new one. A side call shares little (its own system prompt):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
 from .record import Call, Rollout
+
+T = TypeVar("T")
 
 REWRITE_SHARE: Final = 0.5  # of the shorter sequence, in common: a rewrite, not a side call
 WINDOW: Final = 8  # tokens each side of a break's position
@@ -60,10 +62,10 @@ def rebuild(calls: Sequence[Call]) -> Trajectory:
     breaks: list[Break] = []
     open_order: list[int] = []  # indexes of open segments, the most recently extended last
     for call in sorted(calls, key=lambda c: c.seq):
-        prompt, generated = call.prompt_token_ids, call.generation_token_ids
+        prompt, generated = _read(call.prompt_token_ids), _read(call.generation_token_ids)
         if prompt is None or generated is None:
             continue
-        logprobs = _aligned(call.generation_log_probs, len(generated))
+        logprobs = _aligned(_read(call.generation_log_probs), len(generated))
         extended = None
         for index in reversed(open_order):
             tokens = segments[index].token_ids
@@ -127,6 +129,11 @@ CALL_FIELDS: Final = tuple(Call.__struct_fields__)
 def _call(call: Call) -> dict[str, Any]:
     """A call with every field, nulls included (a reader need not guess which are absent)."""
     return {name: getattr(call, name) for name in CALL_FIELDS}
+
+
+def _read(value: list[T] | msgspec.Raw | None) -> list[T] | None:
+    """A call's token field as read back from a store (a list; `Raw` only in a record not yet written)."""
+    return value if isinstance(value, list) else None
 
 
 def _aligned(logprobs: list[float] | None, n: int) -> list[float]:
