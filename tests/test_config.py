@@ -230,7 +230,7 @@ def test_base_url_and_api_key_are_checked_like_any_upstream() -> None:
 def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_keys(tmp_path: Path) -> None:
     changes = {"admin_fleet_changes": True}
     for host in ("0.0.0.0", "::", "10.0.0.5", "vllm-proxy.example"):
-        with pytest.raises(ConfigError, match="admin_fleet_changes with no access.api_keys .* loopback host"):
+        with pytest.raises(ConfigError, match="access.admin_fleet_changes: with no access.api_keys .* loopback host"):
             build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
@@ -238,7 +238,7 @@ def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_ke
     keys.write_text("# the admins\nk1\n")
     for access in ({"api_keys": ["k"]}, {"api_keys_file": str(keys)}):
         build_config({"base_url": "http://x/v1", "host": "0.0.0.0", "access": {**changes, **access}}, environ={})
-    with pytest.raises(ConfigError, match="admin_requires_key needs access.api_keys"):
+    with pytest.raises(ConfigError, match="access.admin_requires_key: needs access.api_keys"):
         build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True}}, environ={})
     build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True, "api_keys_file": str(keys)}})
 
