@@ -525,7 +525,7 @@ def load_config(
             if problem.path == key or problem.path.startswith((f"{key}.", f"{key}[")):
                 return problem._replace(path="" if where == f"--set {problem.path}" else problem.path, where=where)
         full = configfiles.join(prefix, problem.path) if problem.path else prefix
-        return problem._replace(path=full, where=files.locate(full))
+        return files.place(problem._replace(path=full))
 
     problems = [located(problem) for problem in found + invalid]
     if problems or config is None:

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 MAX_FILE_BYTES: Final = 1 << 20
 MAX_FILES: Final = 64
 MAX_DEPTH: Final = 64  # nested mappings and lists in one file
-MAX_NODES: Final = 200_000  # values of one file, YAML aliases expanded
+MAX_NODES: Final = 20_000  # values of one file, YAML aliases expanded (NeMo Gym's have some 50)
 MAX_EXPANDED: Final = 4 << 20  # characters and values of a resolved section, interpolations expanded
 CONFIG_PATHS: Final = "config_paths"
 MISSING: Final = "???"  # OmegaConf's mandatory value: given at serve time
@@ -127,6 +127,13 @@ class Files:
             at = at[: max(cut, 0)]
         return ", ".join(self.paths) or "config"
 
+    def place(self, problem: Problem) -> Problem:
+        """`problem` at the file and line (or override) that set its key."""
+        where = self.locate(problem.path)
+        if where.startswith("override ") and where.partition(" ")[2].lstrip("+~") == problem.path:
+            return problem._replace(path="", where=where)  # the override names the key already
+        return problem._replace(where=where)
+
     def provide(self, name: str, value: Any, where: str) -> None:
         """Give the top-level key `name` (a `${name}` of the files) a value, taken as it is (a `${`
         in it is no interpolation)."""
@@ -164,7 +171,7 @@ class Files:
                 section = _resolved(node, ".".join(keys), problems)
             finally:
                 _ENVIRON.reset(token)
-        return section, [problem._replace(where=self.locate(problem.path)) for problem in problems]
+        return section, [self.place(problem) for problem in problems]
 
 
 def read(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> Files:
@@ -316,14 +323,16 @@ def _load(path: str, named_by: str, problems: list[Problem]) -> tuple[DictConfig
         problems.append(Problem("", f"is not UTF-8 text (byte {exc.start})", path))
         return None, {}
     try:
+        _measure(text)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            _measure(node, path)
         config = OmegaConf.load(io.StringIO(text)) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         at = f"{path}:{mark.line + 1}" if mark is not None else path
         problems.append(Problem("", f"is not valid YAML: {exc.problem or exc.context}", at))
+        return None, {}
+    except _TooBig as exc:
+        problems.append(Problem("", str(exc), path))
         return None, {}
     except (yaml.YAMLError, OmegaConfBaseException, ValueError, OSError) as exc:
         problems.append(Problem("", f"cannot be loaded: {_first_line(exc)}", path))
@@ -348,40 +357,37 @@ class _TooBig(Exception):
     pass
 
 
-def _measure(root: yaml.Node, path: str) -> None:
-    """Refuse a file whose values, aliases expanded, are too many or too deep, or refer to themselves
-    (a YAML alias bomb costs its expansion only when OmegaConf builds it: measured before that)."""
-    sizes: dict[int, tuple[int, int]] = {}
-    active: set[int] = set()
-
-    def measure(node: yaml.Node) -> tuple[int, int]:
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        if key in active:
-            raise _TooBig(f"has an alias inside its own anchor (line {node.start_mark.line + 1})")
-        active.add(key)
-        count, depth = 1, 0
-        children: list[yaml.Node] = []
-        if isinstance(node, yaml.SequenceNode):
-            children = list(node.value)
-        elif isinstance(node, yaml.MappingNode):
-            children = [item for pair in node.value for item in pair]
-        for child in children:
-            size, height = measure(child)
-            count, depth = count + size, max(depth, height + 1)
-        active.discard(key)
+def _measure(text: str) -> None:
+    """Refuse YAML whose values, aliases expanded, are too many or too deep, or refer to themselves.
+    Counted from the parser's events, before anything is built: a YAML alias bomb costs its
+    expansion only when OmegaConf builds it, and PyYAML's own nodes cost some 700 bytes a value."""
+    sizes: dict[str, int] = {}  # anchor -> its values, aliases expanded
+    stack: list[list[Any]] = []  # the open collections: [values so far, anchor]
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            stack.append([1, event.anchor])
+            if len(stack) > MAX_DEPTH:
+                raise _TooBig(f"is nested more than {MAX_DEPTH} levels deep")
+            continue
+        if isinstance(event, yaml.CollectionEndEvent):
+            count, anchor = stack.pop()
+            if anchor is not None:
+                sizes[anchor] = count
+        elif isinstance(event, yaml.ScalarEvent):
+            count = 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            if event.anchor in (entry[1] for entry in stack):
+                raise _TooBig(f"has an alias inside its own anchor (line {event.start_mark.line + 1})")
+            count = sizes.get(event.anchor, 1)  # an undefined one: the composer says so
+        else:
+            continue
+        if stack:
+            stack[-1][0] += count
+            count = stack[-1][0]
         if count > MAX_NODES:
             raise _TooBig(f"has more than {MAX_NODES:,} values, YAML aliases expanded")
-        if depth > MAX_DEPTH:
-            raise _TooBig(f"is nested more than {MAX_DEPTH} levels deep")
-        sizes[key] = count, depth
-        return count, depth
-
-    try:
-        measure(root)
-    except _TooBig as exc:
-        raise ValueError(str(exc)) from None
 
 
 def _locate(node: yaml.Node, at: str, path: str, where: dict[str, str]) -> None:
@@ -599,9 +605,7 @@ def read_value(text: str) -> Any:
     if not text.lstrip().startswith(("[", "{")):
         return text
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None:
-            _measure(node, "value")
+        _measure(text)
         return yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, RecursionError):
+    except (yaml.YAMLError, _TooBig, RecursionError):
         return text
