@@ -893,7 +893,7 @@ def _split_launch_args(section: dict[str, Any], problems: list[Problem]) -> None
         try:
             launch["args"] = shlex.split(launch["args"])
         except ValueError as exc:
-            problems.append(Problem("launch.args", f"cannot split {launch['args']!r}: {exc}"))
+            problems.append(Problem("launch.args", f"cannot be split as a shell would: {exc}"))
     if isinstance(launch.get("env"), dict):
         scalar = (bool, int, float)
         launch["env"] = {
@@ -979,7 +979,8 @@ def _check(config: Config) -> list[Problem]:
         problems.append(Problem("api_key", str(exc)))
     names = [spec.name or spec.url for spec in specs]
     if len(set(names)) != len(names):
-        problems.append(Problem("upstreams", f"upstream names must be unique, got {names}"))
+        shown = [_without_credentials(name) for name in names]
+        problems.append(Problem("upstreams", f"upstream names must be unique, got {shown}"))
     most = config.limits.max_upstreams
     count = len(specs) if config.launch is None else config.launch.replicas
     if count > most:

@@ -295,7 +295,7 @@ def _overrides(items: Sequence[str], problems: list[Problem]) -> tuple[DictConfi
 
 
 def _grammar(message: str) -> str:
-    """A Hydra parse error's one useful line (never the echo of the override, which may hold a key)."""
+    """A Hydra parse error's one useful line."""
     lines = [line for line in message.splitlines() if line.strip()]
     useful = [
         line
@@ -303,7 +303,10 @@ def _grammar(message: str) -> str:
         if not line.startswith(("See https://", "Error parsing override", "LexerNoViableAltException"))
         and not line.strip() == "^"
     ]
-    return (useful[0] if useful else "an unexpected character") + " (Hydra's override grammar)"
+    # Its fragments of the value are left out: an override may carry a key.
+    return (
+        re.sub(r"'[^']*'", "'...'", useful[0] if useful else "an unexpected character") + " (Hydra's override grammar)"
+    )
 
 
 def _load(path: str, named_by: str, problems: list[Problem]) -> tuple[DictConfig | None, dict[str, str]]:
@@ -379,8 +382,9 @@ def _measure(text: str) -> None:
                 sizes[event.anchor] = 1
         elif isinstance(event, yaml.AliasEvent):
             if event.anchor in (entry[1] for entry in stack):
-                raise _TooBig(f"has an alias inside its own anchor (line {event.start_mark.line + 1})")
-            count = sizes.get(event.anchor, 1)  # an undefined one: the composer says so
+                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+                raise _TooBig(f"has an alias inside its own anchor (line {line})")
+            count = sizes.get(event.anchor or "", 1)  # an undefined one: the composer says so
         else:
             continue
         if stack:

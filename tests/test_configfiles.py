@@ -226,7 +226,10 @@ def test_overrides_as_nemo_gyms_command_line_takes_them(tmp_path: Path) -> None:
     ("override", "line"),
     [
         (f"{MODEL}.port=abc", f"override {MODEL}.port: expected `int`, got `str`"),
-        (f"{MODEL}.port=[1,", f"override {MODEL}.port: cannot be read: no viable alternative at input '[1,'"),
+        (
+            f"{MODEL}.port=[1,",
+            f"override {MODEL}.port: cannot be read: no viable alternative at input '...' (Hydra's override grammar)",
+        ),
         ("model=a,b", "override model: a,b is a sweep of values; quote it ('a,b'), or give a list ([a,b])"),
         ("~nope.key", "override ~nope.key: is not in the config, so it cannot be deleted"),
         ("a@pkg=1", "override a@pkg: takes key=value, +key=value, ++key=value or ~key (a dotted key)"),
@@ -329,3 +332,18 @@ def test_files_that_name_each_other_are_read_once_each(tmp_path: Path) -> None:
     many = [write(tmp_path, f"m{i}.yaml", f"k{i}: 1\n") for i in range(configfiles.MAX_FILES + 1)]
     with pytest.raises(ConfigError, match="more than 64 config files"):
         load_config(many, environ={})
+
+
+def test_no_message_shows_a_key(tmp_path: Path) -> None:
+    secret = "sk-0123456789abcdef"
+    path = nemo(tmp_path, "c.yaml", f"base_url: http://user:{secret}@h/v1\npinning: {{secret: [{secret}]}}\n")
+    attempts = [
+        {"hydra": [f"++{MODEL}.api_key={secret}["]},
+        {"hydra": [f"++{MODEL}.api_key={secret},x"]},
+        {"overrides": {"launch.args": f"--api-key '{secret}", "launch.model": "m"}},
+        {},
+    ]
+    for attempt in attempts:
+        with pytest.raises(ConfigError) as error:
+            load_config(path, environ={}, **attempt)  # type: ignore[arg-type]
+        assert secret not in str(error.value), str(error.value)
