@@ -597,8 +597,9 @@ def _server(files: configfiles.Files, server: str | None) -> tuple[list[str], st
     if problems:
         raise ConfigError.of(problems)
     keys = [chosen, "responses_api_models", models[chosen]]
-    for depth in range(1, len(keys) + 1):
-        node = OmegaConf.select(tree, ".".join(keys[:depth]), throw_on_resolution_failure=False)
+    node: Any = tree
+    for depth, key in enumerate(keys, 1):
+        node = node.get(key) if isinstance(node, DictConfig) else None
         for directive in _NEMO_DIRECTIVES:
             if isinstance(node, DictConfig) and directive in node:
                 at = ".".join([*keys[:depth], directive])
