@@ -40,7 +40,7 @@ TICK_S = 0.2  # how often the parent of `--workers N` looks at its workers (and 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = _arguments(_parser(), argv)
     logs.configure(getattr(args, "log_level", None) or "info", getattr(args, "log_format", None) or "text")
     if args.command == "fake-vllm":
         from .testing.fake_vllm import run
@@ -62,8 +62,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
             print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         if args._unresolved:
-            shown_ = (f"{shown_placeholder(name)} ({where})" for name, where in sorted(args._unresolved.items()))
-            print(f"given at serve time (--set, an override or the environment): {', '.join(shown_)}")
+            listed = (f"{shown_placeholder(name)} ({where})" for name, where in sorted(args._unresolved.items()))
+            print(f"given at serve time (--set, an override or the environment): {', '.join(listed)}")
         return
     logs.configure(config.log_level, config.log_format)
     fake_port = getattr(args, "_fake_port", None)
@@ -308,6 +308,20 @@ def _load(args: argparse.Namespace) -> Config:
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
     args._extra = extra
     return load_config(args.config or [], overrides=overrides, server=args.server, extra=extra, hydra=args.overrides)
+
+
+def _arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with overrides (and check-config's files) anywhere among the options:
+    argparse takes one run of positionals only."""
+    args, rest = parser.parse_known_args(argv)
+    items: list[str] | None = getattr(args, "overrides", getattr(args, "items", None))
+    if rest and (items is None or any(item.startswith("-") for item in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if items is not None:
+        items.extend(rest)
+        if args.command == "serve" and not all(_is_override(item) for item in items):
+            parser.error(f"serve takes overrides (key=value, +key=value, ++key=value, ~key), got {items}")
+    return args
 
 
 def _is_override(item: str) -> bool:

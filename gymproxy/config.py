@@ -744,9 +744,8 @@ def _validated(
         env_value = environ.get(REASONING_FIELD_ENV, "").strip()
         if env_value:
             if env_value not in ("both", "reasoning", "reasoning_content"):
-                problems.append(
-                    Problem("", f"{REASONING_FIELD_ENV}={env_value!r} is not one of both, reasoning, reasoning_content")
-                )
+                message = f"{REASONING_FIELD_ENV}={env_value!r} is not one of both, reasoning, reasoning_content"
+                problems.append(Problem("", message, "the environment"))
             else:
                 section["reasoning_field"] = env_value
     _validate(section, Config, "", problems)

@@ -518,3 +518,17 @@ async def test_the_readme_migration_instructions_work_verbatim(tmp_path: Path, f
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_overrides_and_files_may_sit_among_the_options() -> None:
+    from gymproxy.cli import _arguments, _parser
+
+    parser = _parser()
+    args = _arguments(parser, ["serve", "--config", "a.yaml", "+x=1", "--port", "9000", "++y=2", "~z"])
+    assert (args.config, args.overrides, args.port) == (["a.yaml"], ["+x=1", "++y=2", "~z"], 9000)
+    args = _arguments(parser, ["check-config", "a.yaml", "--set", "q=1", "b.yaml", "k=v"])
+    assert (args.items, args.set) == (["a.yaml", "b.yaml", "k=v"], ["q=1"])
+    for argv in (["serve", "--port", "1", "a.yaml"], ["serve", "--bogus"], ["check-config", "a.yaml", "--bogus"]):
+        with pytest.raises(SystemExit) as exited:
+            _arguments(parser, argv)
+        assert exited.value.code == 2
