@@ -26,7 +26,7 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
 import msgspec
 import msgspec.inspect
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from yarl import URL
 
 from . import configfiles
@@ -543,21 +543,20 @@ def _server(files: configfiles.Files, server: str | None) -> tuple[list[str], st
     """The keys of the model server section in NeMo Gym's nested layout (`<name>:
     responses_api_models: <type>: {...}`) and its type, or `[]` for a flat file. A server type
     gymproxy does not serve is refused by name, saying what to use instead."""
-    tree = files.tree
+    tree = OmegaConf.to_container(files.tree, resolve=False)  # as written: nothing is resolved yet
+    assert isinstance(tree, dict)
     entries = {
         str(key): value
-        for key, value in tree.items_ex(resolve=False)
-        if isinstance(value, DictConfig) and any(kind in value for kind in NEMO_SERVER_TYPES)
+        for key, value in tree.items()
+        if isinstance(value, dict) and any(kind in value for kind in NEMO_SERVER_TYPES)
     }
     if not entries:
         return [], None
     models: dict[str, str] = {}
     others: dict[str, str] = {}
     for name, entry in entries.items():
-        kinds = entry.get("responses_api_models") if "responses_api_models" in entry else None
-        if not isinstance(kinds, DictConfig):
-            continue
-        for kind in kinds.keys():
+        kinds = entry.get("responses_api_models")
+        for kind in kinds if isinstance(kinds, dict) else ():
             (models if kind in NEMO_MODEL_TYPES else others)[name] = str(kind)
     problems: list[Problem] = []
 
@@ -599,9 +598,9 @@ def _server(files: configfiles.Files, server: str | None) -> tuple[list[str], st
     keys = [chosen, "responses_api_models", models[chosen]]
     node: Any = tree
     for depth, key in enumerate(keys, 1):
-        node = node.get(key) if isinstance(node, DictConfig) else None
+        node = node.get(key) if isinstance(node, dict) else None
         for directive in _NEMO_DIRECTIVES:
-            if isinstance(node, DictConfig) and directive in node:
+            if isinstance(node, dict) and directive in node:
                 at = ".".join([*keys[:depth], directive])
                 why = (
                     "NeMo Gym's parser applies it, gymproxy does not: write the keys out, or merge files with --config"

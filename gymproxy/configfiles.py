@@ -163,14 +163,18 @@ class Files:
         problems = _expansion_problems(plain, tuple(keys))
         section = None
         if not problems:
-            node: Any = self.tree
-            for key in keys:
-                node = node[key]
             token = _ENVIRON.set(environ)
             try:
+                node: Any = self.tree
+                for depth, key in enumerate(keys, 1):
+                    node = _item(node, key, ".".join(keys[:depth]), problems)
+                    if not isinstance(node, DictConfig):
+                        break
                 section = _resolved(node, ".".join(keys), problems)
             finally:
                 _ENVIRON.reset(token)
+            if not problems and not isinstance(section, dict):
+                problems.append(Problem(".".join(keys), "must be a mapping of config keys"))
         return section, [self.place(problem) for problem in problems]
 
 
@@ -238,21 +242,17 @@ def read(paths: Sequence[str | Path], overrides: Sequence[str] = ()) -> Files:
 
 
 def _config_paths(config: DictConfig | None, path: str, problems: list[Problem]) -> list[str]:
-    """The files a file's own `config_paths` names (taken out of it)."""
+    """The files a file's own `config_paths` names (taken out of it), as written: an interpolation
+    there would be resolved before the environment is the loader's."""
     if config is None or CONFIG_PATHS not in config:
         return []
-    value: Any = None
-    try:
-        node = config[CONFIG_PATHS]
-        value = OmegaConf.to_container(node, resolve=True) if isinstance(node, ListConfig) else node
-    except OmegaConfBaseException:
-        pass
+    plain = OmegaConf.to_container(config, resolve=False)
+    value = plain.get(CONFIG_PATHS) if isinstance(plain, dict) else None
     del config[CONFIG_PATHS]
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+    value = [value] if isinstance(value, str) else value
+    if isinstance(value, list) and all(isinstance(item, str) and "${" not in item for item in value):
         return value
-    problems.append(Problem(CONFIG_PATHS, "must be a list of file paths", path))
+    problems.append(Problem(CONFIG_PATHS, "must be a list of file paths, written out", path))
     return []
 
 
@@ -566,21 +566,22 @@ def _resolved(node: Any, at: str, problems: list[Problem]) -> Any:
     """`node` as plain values, every interpolation resolved by OmegaConf; each value that cannot be is
     a problem (and None), a `???` a placeholder."""
     if isinstance(node, DictConfig):
-        return {key: _item(node, key, join(at, key), problems) for key in node.keys()}
+        return {key: _resolved(_item(node, key, join(at, key), problems), join(at, key), problems) for key in node}
     if isinstance(node, ListConfig):
-        return [_item(node, index, join(at, index), problems) for index in range(len(node))]
+        items = range(len(node))
+        return [_resolved(_item(node, index, join(at, index), problems), join(at, index), problems) for index in items]
     return node
 
 
 def _item(container: DictConfig | ListConfig, key: Any, at: str, problems: list[Problem]) -> Any:
+    """`container[key]` resolved (a container stays one), or None and a problem."""
     if OmegaConf.is_missing(container, key):
         return placeholder(MISSING)
     try:
-        value = container[key]
+        return container[key]
     except OmegaConfBaseException as exc:
         problems.append(Problem(at, _first_line(exc)))
         return None
-    return _resolved(value, at, problems)
 
 
 def _literal(value: Any) -> Any:

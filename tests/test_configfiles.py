@@ -10,6 +10,9 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from gymproxy import configfiles
@@ -347,3 +350,40 @@ def test_no_message_shows_a_key(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as error:
             load_config(path, environ={}, **attempt)  # type: ignore[arg-type]
         assert secret not in str(error.value), str(error.value)
+
+
+TOKENS = [
+    "${",
+    "}",
+    "oc.env:",
+    "oc.select:",
+    "oc.decode:",
+    "a",
+    "b",
+    "model",
+    ".",
+    "..",
+    ",",
+    ":",
+    "'",
+    '"',
+    "\\",
+    "???",
+]
+TOKENS += ["${a}", "${.b}", "${oc.env:X,1}", "[", "]", "{", " ", "http://h/v1", "${inherit_from:a}", "${model}"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=st.lists(st.lists(st.sampled_from(TOKENS), max_size=8).map("".join), min_size=4, max_size=4))
+def test_any_interpolation_loads_or_is_a_config_error(tmp_path: Path, values: list[str]) -> None:
+    """Whatever a value holds, loading ends in a config or a ConfigError (one line a problem), never
+    another exception: OmegaConf's own errors are caught and located."""
+    layout = {"a": values[0], "b": values[1], "policy_model": {"responses_api_models": {"vllm_model": {}}}}
+    layout["policy_model"]["responses_api_models"]["vllm_model"] = {"base_url": values[2], "model": values[3]}
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(layout))
+    for unresolved in (None, {}):
+        try:
+            load_config(path, environ={"X": "x"}, unresolved=unresolved)
+        except ConfigError as exc:
+            assert all(line.strip() for line in str(exc).splitlines())
