@@ -373,7 +373,9 @@ TOKENS = [
 TOKENS += ["${a}", "${.b}", "${oc.env:X,1}", "[", "]", "{", " ", "http://h/v1", "${inherit_from:a}", "${model}"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(values=st.lists(st.lists(st.sampled_from(TOKENS), max_size=8).map("".join), min_size=4, max_size=4))
 def test_any_interpolation_loads_or_is_a_config_error(tmp_path: Path, values: list[str]) -> None:
     """Whatever a value holds, loading ends in a config or a ConfigError (one line a problem), never
