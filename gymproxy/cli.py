@@ -20,7 +20,15 @@ from typing import Any
 import msgspec
 
 from . import __version__, launch, logs, server
-from .config import STAND_IN_HOST, Config, ConfigError, is_loopback, load_config, upstream_specs
+from .config import (
+    STAND_IN_HOST,
+    Config,
+    ConfigError,
+    is_loopback,
+    load_config,
+    shown_placeholder,
+    upstream_specs,
+)
 from .peers import Peers
 from .proxy import INSTANCE_ENV
 from .upstream import shown
@@ -32,7 +40,7 @@ TICK_S = 0.2  # how often the parent of `--workers N` looks at its workers (and 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = _arguments(_parser(), argv)
     logs.configure(getattr(args, "log_level", None) or "info", getattr(args, "log_format", None) or "text")
     if args.command == "fake-vllm":
         from .testing.fake_vllm import run
@@ -42,24 +50,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         config = _load(args)
     except ConfigError as exc:
-        print(f"gymproxy: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"gymproxy: {line}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.command == "check-config":
+        for line in args._warnings:
+            print(f"gymproxy: {line}", file=sys.stderr)
         if config.launch is not None:
             print(f"ok: launches {config.launch.replicas} vLLM replica(s) of {config.launch.model}")
         else:
             urls = [_unstand(shown(spec.url)) for spec in upstream_specs(config)]
             print(f"ok: {len(urls)} upstream(s): {', '.join(urls)}; model {config.model or '(client)'}")
         if args._unresolved:
-            given = ", ".join(f"${{{name}}} ({where})" for name, where in sorted(args._unresolved.items()))
-            print(f"given at serve time (--set or the environment): {given}")
+            listed = (f"{shown_placeholder(name)} ({where})" for name, where in sorted(args._unresolved.items()))
+            print(f"given at serve time (--set, an override or the environment): {', '.join(listed)}")
         return
     logs.configure(config.log_level, config.log_format)
     fake_port = getattr(args, "_fake_port", None)
     workers = args.workers or config.num_workers or 1
     if fake_port is not None:
         log.info("no upstream given: serving in front of the bundled fake vLLM at %s", config.base_url[0])
-    reload = Loader(args.config, dict(_pair(item) for item in args.set), args.server, args._extra)
+    reload = Loader(args.config or [], dict(_pair(item) for item in args.set), args.server, args._extra, args.overrides)
     if config.launch is not None:
         _serve_launched(config, workers, reload)
     elif workers == 1:
@@ -88,14 +99,24 @@ def _serve_launched(config: Config, workers: int, reload: Loader) -> None:
 
 
 class Loader:
-    """Reads the config again as `serve` first read it (same file, `--set` pairs and flags), for SIGHUP."""
+    """Reads the config again as `serve` first read it (same files, overrides, `--set` pairs and
+    flags), for SIGHUP."""
 
-    def __init__(self, path: str | None, overrides: dict[str, str], server: str | None, extra: dict[str, Any]) -> None:
-        self.path, self.overrides, self.server, self.extra = path, overrides, server, extra
+    def __init__(
+        self,
+        paths: list[str],
+        overrides: dict[str, str],
+        server: str | None,
+        extra: dict[str, Any],
+        hydra: Sequence[str] = (),
+    ) -> None:
+        self.paths, self.overrides, self.server, self.extra, self.hydra = paths, overrides, server, extra, hydra
         self.launched: Config | None = None  # with `launch`: the config its replicas were planned in
 
     def __call__(self) -> Config:
-        config = load_config(self.path, overrides=self.overrides, server=self.server, extra=self.extra)
+        config = load_config(
+            self.paths, overrides=self.overrides, server=self.server, extra=self.extra, hydra=self.hydra
+        )
         return config if self.launched is None else launch.keep_replicas(config, self.launched)
 
 
@@ -259,7 +280,16 @@ def _load(args: argparse.Namespace) -> Config:
     overrides = dict(_pair(item) for item in args.set)
     if args.command == "check-config":
         args._unresolved = None if args.strict else {}
-        return load_config(args.file, overrides=overrides, server=args.server, unresolved=args._unresolved)
+        args._warnings = []
+        files = [*args.config, *(item for item in args.items if not _is_override(item))]
+        return load_config(
+            files,
+            overrides=overrides,
+            server=args.server,
+            unresolved=args._unresolved,
+            hydra=[item for item in args.items if _is_override(item)],
+            warnings=args._warnings,
+        )
     extra: dict[str, Any] = {"host": args.host, "port": args.port, "model": args.model, "api_key": args.api_key}
     extra |= {"log_level": args.log_level, "log_format": args.log_format, "access_log": args.access_log or None}
     launched = _launch_flags(args)
@@ -267,7 +297,7 @@ def _load(args: argparse.Namespace) -> Config:
         extra["launch"] = launched
     if args.upstream:
         extra["base_url"] = args.upstream
-    elif args.config is None and not args.launch_vllm:
+    elif not args.config and not args.launch_vllm and not args.overrides:
         if args.host is not None and not is_loopback(args.host):
             raise ConfigError(
                 f"--host {args.host}: with no upstream gymproxy serves its bundled fake vLLM (a demo), and only on "
@@ -277,7 +307,26 @@ def _load(args: argparse.Namespace) -> Config:
         args._fake_port = port
         extra["base_url"] = [f"http://127.0.0.1:{port}/v1"]
     args._extra = extra
-    return load_config(args.config, overrides=overrides, server=args.server, extra=extra)
+    return load_config(args.config or [], overrides=overrides, server=args.server, extra=extra, hydra=args.overrides)
+
+
+def _arguments(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with overrides (and check-config's files) anywhere among the options:
+    argparse takes one run of positionals only."""
+    args, rest = parser.parse_known_args(argv)
+    items: list[str] | None = getattr(args, "overrides", getattr(args, "items", None))
+    if rest and (items is None or any(item.startswith("-") for item in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if items is not None:
+        items.extend(rest)
+        if args.command == "serve" and not all(_is_override(item) for item in items):
+            parser.error(f"serve takes overrides (key=value, +key=value, ++key=value, ~key), got {items}")
+    return args
+
+
+def _is_override(item: str) -> bool:
+    """A Hydra-style override (`key=value`, `+key=value`, `~key`) among check-config's files."""
+    return "=" in item or item.startswith("~")
 
 
 def _launch_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -320,13 +369,33 @@ def _pair(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
+OVERRIDES_HELP = (
+    "Hydra-style overrides as NeMo Gym's command line takes them, merged over the files: key=value or "
+    "++key=value sets a dotted key, +key=value adds one, ~key deletes one, +config_paths=[a.yaml,b.yaml] adds files"
+)
+EXIT_CODES = """exit status:
+  0  the config is valid (check-config: warnings, such as a base_url without /v1, go to stderr)
+  1  serve: no launched vLLM replica started
+  2  the config or the command line is wrong: one line on stderr for each problem, at its file:line"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the exit-status table as written."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gymproxy", description="Responses <-> Chat Completions proxy for vLLM")
     parser.add_argument("--version", action="version", version=f"gymproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the proxy")
-    serve.add_argument("--config", help="YAML config (flat, or NeMo Gym's vllm_model layout)")
+    serve = commands.add_parser("serve", help="run the proxy", epilog=EXIT_CODES, formatter_class=_Formatter)
+    serve.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help="YAML config (flat, or NeMo Gym's layout); repeat to merge several, later ones winning",
+    )
+    serve.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8000)")
     serve.add_argument(
@@ -354,8 +423,22 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="one line per request (access_log)")
     serve.add_argument("--vllm-log-dir", help="write each replica's output to DIR/vllm-<i>.log, not to this log")
 
-    check = commands.add_parser("check-config", help="validate a config file and exit")
-    check.add_argument("file")
+    check = commands.add_parser(
+        "check-config",
+        help="validate config files and exit",
+        description="Validate config files as `serve` reads them and print every problem, each at its file and line.",
+        epilog=EXIT_CODES,
+        formatter_class=_Formatter,
+    )
+    check.add_argument(
+        "items",
+        nargs="*",
+        metavar="FILE|KEY=VALUE",
+        help="config files, merged in order (later ones win), and overrides: " + OVERRIDES_HELP,
+    )
+    check.add_argument(
+        "--config", action="append", default=[], metavar="FILE", help="a config file (as serve takes it)"
+    )
     check.add_argument("--server")
     check.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     check.add_argument(

@@ -1,15 +1,17 @@
-"""Configuration: one YAML file decoded into a frozen `Config`.
+"""Configuration: YAML files (read, merged and resolved as NeMo Gym does, `configfiles`) validated
+into a frozen `Config`, with every problem reported at once, at its file and line.
 
-The file is either flat (every key of `Config` at the top level) or NeMo Gym's nested layout
-(`<server name>: responses_api_models: vllm_model: {...}`), so NeMo Gym's own `vllm_model.yaml`
-loads unchanged; a `local_vllm_model` block there becomes a `launch` section
-(`from_local_vllm_model`). `${name}` placeholders are resolved from `--set name=value` first, then
-from the environment; an unresolved one is an error. The environment is read only here, and only
-through the `environ` argument.
+A config is either flat (every key of `Config` at the top level) or NeMo Gym's nested layout
+(`<server name>: responses_api_models: vllm_model: {...}`), so NeMo Gym's own configs load
+unchanged; a `local_vllm_model` block there becomes a `launch` section (`from_local_vllm_model`),
+and a server type gymproxy does not serve is refused by name. `${name}` placeholders are resolved
+from `--set name=value` first, then from the environment; an unresolved one is an error. The
+environment is read only here and in `configfiles`, and only through the `environ` argument.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
 import ipaddress
 import json
@@ -17,14 +19,21 @@ import logging
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from types import UnionType
+from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
 import msgspec
 import msgspec.inspect
-import yaml
+from omegaconf import OmegaConf
 from yarl import URL
+
+from . import configfiles
+from .configfiles import ConfigError as ConfigError
+from .configfiles import Problem
+
+log = logging.getLogger("gymproxy")
 
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -33,10 +42,6 @@ ReasoningField = Literal["both", "reasoning", "reasoning_content"]
 
 REASONING_FIELD_ENV = "NEMO_GYM_REASONING_FIELD"
 NEMO_SERVER_TYPES = ("responses_api_models", "resources_servers", "responses_api_agents")
-
-
-class ConfigError(Exception):
-    """The configuration cannot be used; the message says which key and why."""
 
 
 class Settings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -442,56 +447,230 @@ _UNSUPPORTED = {
     "audio_root": "the metadata audio side-channel is out of gymproxy's scope",
 }
 
-_PLACEHOLDER = re.compile(r"\$\{([^}]+)\}")
+_NEMO_DIRECTIVES = ("_inherit_from", "_copy", "_delete_key")  # NeMo Gym's, applied by its parser only
 
 
 def load_config(
-    path: str | Path | None = None,
+    path: str | Path | Sequence[str | Path] | None = None,
     *,
     overrides: Mapping[str, str] = {},
     environ: Mapping[str, str] = os.environ,
     server: str | None = None,
     extra: Mapping[str, Any] = {},
     unresolved: dict[str, str] | None = None,
+    hydra: Sequence[str] = (),
+    warnings: list[str] | None = None,
 ) -> Config:
-    """Read, resolve and validate a config file; raises `ConfigError` naming the bad key.
+    """Read, merge, resolve and validate config files; raises `ConfigError` with every problem, one a
+    line, each at its file and line (`configfiles`).
 
-    `overrides` are the `--set name=value` pairs; `extra` holds keys set by CLI flags, which win
-    over the file. With an `unresolved` dict (`check-config`), a placeholder that has no value yet
-    is no error: it is recorded there (name -> the key using it) and a stand-in of the key's type
-    is validated in its place.
+    Several paths merge in order, later ones winning (NeMo Gym's `config_paths`); `hydra` holds
+    Hydra-style overrides (`key=value`, `+key=value`, `++key=value`, `~key`), merged last as NeMo
+    Gym's command line is. `overrides` are the `--set name=value` pairs: a name the files use as
+    `${name}` gives it its value, any other sets that config key. A `${name}` nothing gives comes from
+    `environ`, as does `${oc.env:NAME}`. `extra` holds keys set by CLI flags, which win over the
+    files. With an `unresolved` dict (`check-config`), a value given at serve time (a `${name}` or
+    `oc.env` variable with no value yet, a `???`) is no error: it is recorded there (name -> the key
+    using it) and a stand-in of the key's type is validated in its place. Warnings go to `warnings`
+    when given, else to the log.
     """
-    raw: Any = {}
-    placeholders: set[str] = set()
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-            raw = yaml.safe_load(text) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        placeholders = {name.strip() for name in _PLACEHOLDER.findall(text)}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config {path}: the top level must be a mapping")
-    raw = _resolve(raw, overrides, environ, "", unresolved)
-    section, name = _section(raw, server)
-    section = dict(section)
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    files = configfiles.read(paths, hydra)
+    names = files.placeholders()
+    # `key: ${key}` (a flat file's key given at serve time) is the placeholder, not a cycle.
+    top = OmegaConf.to_container(files.tree, resolve=False)
+    assert isinstance(top, dict)
+    own = {name for name in names if isinstance(top.get(name), str) and top[name].replace(" ", "") == f"${{{name}}}"}
+    for name in own:
+        files.tree[name] = configfiles.placeholder(name)
+    for name, text in overrides.items():
+        if name in names:
+            files.provide(name, configfiles.read_value(text), f"--set {name}")
+    for name in sorted((names - set(files.tree.keys())) | own):
+        if name in environ:
+            files.provide(name, configfiles.read_value(environ[name]), f"${name} (the environment)")
+    keys, kind = _server(files, server)
+    raw, problems = files.resolve(keys, environ)
+    if problems:
+        raise ConfigError.of(problems)
+    prefix = ".".join(keys)
+    section: dict[str, Any] = raw
+    if not keys:  # flat: the top-level values `${name}` took are no config keys
+        fields = {field.encode_name for field in msgspec.structs.fields(Config)}
+        section = {key: value for key, value in section.items() if key not in files.added | (names - fields)}
+    found: list[Problem] = []  # paths relative to the section
+    section = _placeholders(section, prefix, unresolved, found)
+    if kind == "local_vllm_model":
+        section = from_local_vllm_model(section, found)
+    given: dict[str, str] = {}  # section keys set on the command line -> where
     for key, value in extra.items():
         if value is None:
             continue
         if isinstance(value, dict) and isinstance(section.get(key), dict):
             value = {**section[key], **value}  # `--replicas 2` keeps the file's other launch keys
         section[key] = value
-    if name is not None:
-        section.setdefault("name", name)
-    for key, value in overrides.items():
-        # A --set name that is a placeholder of the file resolves it (above); any other sets a key.
-        if key not in placeholders:
-            _set_key(section, key, value)
-    return build_config(section, environ)
+        given[key] = "the command line"
+    if keys:
+        section.setdefault("name", keys[0])
+    for key, text in overrides.items():
+        if key not in names:  # a placeholder's value was given above
+            _set_key(section, key, text, found)
+            given[key] = f"--set {key}"
+    config, invalid, notes = _validated(section, environ)
+
+    def located(problem: Problem) -> Problem:
+        if problem.where != "config":  # placed already (--set)
+            return problem
+        for key, where in given.items():
+            if problem.path == key or problem.path.startswith((f"{key}.", f"{key}[")):
+                return problem._replace(path="" if where == f"--set {problem.path}" else problem.path, where=where)
+        full = configfiles.join(prefix, problem.path) if problem.path else prefix
+        return files.place(problem._replace(path=full))
+
+    problems = [located(problem) for problem in found + invalid]
+    if problems or config is None:
+        raise ConfigError.of(problems)
+    for note in notes:
+        line = "warning: " + located(note).line()
+        if warnings is None:
+            log.warning("%s", line)
+        else:
+            warnings.append(line)
+    return config
 
 
-def _set_key(section: dict[str, Any], key: str, value: str) -> None:
-    """`--set a.b.c=value`: set that (nested) key of `section`, or raise naming an unknown one.
+def _server(files: configfiles.Files, server: str | None) -> tuple[list[str], str | None]:
+    """The keys of the model server section in NeMo Gym's nested layout (`<name>:
+    responses_api_models: <type>: {...}`) and its type, or `[]` for a flat file. A server type
+    gymproxy does not serve is refused by name, saying what to use instead."""
+    tree = OmegaConf.to_container(files.tree, resolve=False)  # as written: nothing is resolved yet
+    assert isinstance(tree, dict)
+    entries = {
+        str(key): value
+        for key, value in tree.items()
+        if isinstance(value, dict) and any(kind in value for kind in NEMO_SERVER_TYPES)
+    }
+    if not entries:
+        return [], None
+    models: dict[str, str] = {}
+    others: dict[str, str] = {}
+    for name, entry in entries.items():
+        kinds = entry.get("responses_api_models")
+        for kind in kinds if isinstance(kinds, dict) else ():
+            (models if kind in NEMO_MODEL_TYPES else others)[name] = str(kind)
+    problems: list[Problem] = []
+
+    def refuse(name: str) -> None:
+        kind = others[name]
+        at = f"{name}.responses_api_models.{kind}"
+        why = _OTHER_SERVERS.get(kind, "gymproxy serves `vllm_model` and `local_vllm_model` servers")
+        problems.append(Problem(at, f"`{kind}` is not supported: {why}", files.locate(at)))
+
+    if server is not None:
+        if server in models:
+            chosen = server
+        elif server in others:
+            refuse(server)
+        else:
+            problems.append(
+                Problem("", f"--server {server}: no model server of that name (found {sorted(models) or 'none'})")
+            )
+    elif len(models) == 1:
+        (chosen,) = models
+    elif models:
+        found = ", ".join(sorted(models))
+        problems.append(
+            Problem("", f"{len(models)} model servers ({found}): pick one with --server NAME", ", ".join(files.paths))
+        )
+    elif others:
+        for name in sorted(others):
+            refuse(name)
+    else:
+        problems.append(
+            Problem(
+                "",
+                "no model server: expected `<name>: responses_api_models: vllm_model: {...}`",
+                ", ".join(files.paths),
+            )
+        )
+    if problems:
+        raise ConfigError.of(problems)
+    keys = [chosen, "responses_api_models", models[chosen]]
+    node: Any = tree
+    for depth, key in enumerate(keys, 1):
+        node = node.get(key) if isinstance(node, dict) else None
+        for directive in _NEMO_DIRECTIVES:
+            if isinstance(node, dict) and directive in node:
+                at = ".".join([*keys[:depth], directive])
+                why = (
+                    "NeMo Gym's parser applies it, gymproxy does not: write the keys out, or merge files with --config"
+                )
+                problems.append(Problem(at, f"`{directive}` is not supported: {why}", files.locate(at)))
+    if problems:
+        raise ConfigError.of(problems)
+    return keys, models[chosen]
+
+
+# NeMo Gym model server types gymproxy does not serve, and what to use instead.
+_OTHER_SERVERS = {
+    "local_vllm_model_proxy": "it forwards to a local_vllm_model server of the same NeMo Gym run, and gymproxy is "
+    "that proxy itself: give gymproxy the local_vllm_model config (it starts vLLM), or a vllm_model with base_url",
+    "vllm_model_with_compaction": "NeMo Gym's compaction (`required_prefix_token_ids`) is not in gymproxy; "
+    "keep NeMo Gym's server for it, or use a vllm_model config (vllm_model_for_training.yaml)",
+    "genrm_model": "its GenRM roles (response_1, response_2, principle) are NeMo Gym's; keep NeMo Gym's server for it",
+    "openai_model": "gymproxy serves vLLM, not OpenAI's API; keep NeMo Gym's openai_model for it",
+    "azure_openai_model": "gymproxy serves vLLM, not Azure OpenAI; keep NeMo Gym's azure_openai_model for it",
+    "litellm_model": "gymproxy serves vLLM, not LiteLLM's providers; keep NeMo Gym's litellm_model for it",
+    "inference_provider": "gymproxy serves vLLM, not hosted inference providers; keep NeMo Gym's inference_provider "
+    "for it",
+    "switchyard_model": "gymproxy does not route through Switchyard; keep NeMo Gym's switchyard_model for it",
+}
+
+
+def _placeholders(
+    section: dict[str, Any], prefix: str, unresolved: dict[str, str] | None, problems: list[Problem]
+) -> dict[str, Any]:
+    """Values given at serve time (`configfiles.placeholder`): with `unresolved`, stand-ins of each
+    key's type, recorded there (at their whole path, below `prefix`); otherwise problems naming them."""
+
+    def walk(node: Any, at: str) -> Any:
+        if isinstance(node, dict):
+            return {key: walk(value, configfiles.join(at, key)) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(value, configfiles.join(at, index)) for index, value in enumerate(node)]
+        if not isinstance(node, str):
+            return node
+        names = configfiles.placeholders_in(node)
+        if not names:
+            return node
+        if unresolved is None:
+            problems.extend(Problem(at, _unresolved_message(name)) for name in names)
+            return node
+        for name in names:
+            unresolved.setdefault(name, configfiles.join(prefix, at) if at else prefix)
+        return configfiles.without_placeholders(node, _stand_in(at, names[0]))
+
+    result = walk(section, "")
+    assert isinstance(result, dict)
+    return result
+
+
+def _unresolved_message(name: str) -> str:
+    if name == configfiles.MISSING:
+        return "is `???` (a value NeMo Gym requires): give it with --set, an override (++KEY=VALUE) or another --config file"
+    if name.startswith("oc.env:"):
+        variable = name.partition(":")[2]
+        return f"uses ${{{name}}}, and {variable} is not in the environment (give the variable, or a default: ${{oc.env:{variable},DEFAULT}})"
+    return f"uses ${{{name}}}, which is neither given with --set nor in the environment"
+
+
+def shown_placeholder(name: str) -> str:
+    """How check-config shows a value given at serve time: `${name}`, or `???`."""
+    return name if name == configfiles.MISSING else f"${{{name}}}"
+
+
+def _set_key(section: dict[str, Any], key: str, value: str, problems: list[Problem]) -> None:
+    """`--set a.b.c=value`: set that (nested) key of `section`, or record a problem naming an unknown one.
 
     The value stays a string (converted to the key's type by `build_config`) unless it reads as a
     YAML list or mapping. Under a free-form mapping key (`default_headers`, `extra_body`, ...)
@@ -504,12 +683,15 @@ def _set_key(section: dict[str, Any], key: str, value: str) -> None:
         if struct is not None:
             fields = {field.name: field.type for field in struct.fields}
             if part not in fields:
-                raise ConfigError(f"--set {key}: unknown key; {_known(parts[:depth], part, sorted(fields))}")
+                hint = _known(parts[:depth], part, sorted(fields))
+                problems.append(Problem("", f"unknown key; {hint}", f"--set {key}"))
+                return
             info = fields[part]
         elif not _is_mapping(info):
-            raise ConfigError(f"--set {key}: `{'.'.join(parts[:depth])}` is not a section with keys")
+            problems.append(Problem("", f"`{'.'.join(parts[:depth])}` is not a section with keys", f"--set {key}"))
+            return
         if depth == len(parts) - 1:
-            target[part] = yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
+            target[part] = configfiles.read_value(value)
         else:
             child = target.get(part)
             target[part] = child = dict(child) if isinstance(child, dict) else {}
@@ -536,10 +718,23 @@ def _known(where: list[str], name: str, known: list[str]) -> str:
 
 
 def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Config:
-    """Validate one flat mapping of config keys."""
+    """Validate one flat mapping of config keys; raises `ConfigError` with every problem, one a line."""
+    config, problems, notes = _validated(section, environ)
+    if problems or config is None:
+        raise ConfigError.of(problems)
+    for note in notes:
+        log.warning("%s", note.line())
+    return config
+
+
+def _validated(
+    section: Mapping[str, Any], environ: Mapping[str, str]
+) -> tuple[Config | None, list[Problem], list[Problem]]:
+    """The config, every problem with it (not only the first) and the warnings, paths relative to `section`."""
     section = dict(section)
-    _read_old_session_header(section)
-    _split_launch_args(section)
+    problems: list[Problem] = []
+    _read_old_session_header(section, problems)
+    _split_launch_args(section, problems)
     _reasoning_parser_default(section)
     if isinstance(section.get("base_url"), str):
         section["base_url"] = [section["base_url"]]
@@ -548,34 +743,145 @@ def build_config(section: Mapping[str, Any], environ: Mapping[str, str] = os.env
         env_value = environ.get(REASONING_FIELD_ENV, "").strip()
         if env_value:
             if env_value not in ("both", "reasoning", "reasoning_content"):
-                raise ConfigError(
-                    f"{REASONING_FIELD_ENV}={env_value!r} is not one of both, reasoning, reasoning_content"
-                )
-            section["reasoning_field"] = env_value
+                message = f"{REASONING_FIELD_ENV}={env_value!r} is not one of both, reasoning, reasoning_content"
+                problems.append(Problem("", message, "the environment"))
+            else:
+                section["reasoning_field"] = env_value
+    _validate(section, Config, "", problems)
     try:
         # strict=False: values from --set and the environment arrive as strings ("true", "8").
-        config = msgspec.convert(section, Config, strict=False)
+        config = msgspec.convert(_pruned(section, problems), Config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"config: {exc}") from exc
-    _check(config)
+        return None, problems or [Problem("", str(exc))], []
+    reported = [problem.path for problem in problems]
+    problems += [problem for problem in _check(config) if not _overlaps(problem.path, reported)]
     if config.access.api_keys_file is not None:
         try:
             lines = Path(config.access.api_keys_file).read_text().splitlines()
         except OSError as exc:
-            raise ConfigError(
-                f"config: access.api_keys_file: cannot read {config.access.api_keys_file}: {exc}"
-            ) from exc
+            problems.append(Problem("access.api_keys_file", f"cannot read {config.access.api_keys_file}: {exc}"))
+            lines = []
         keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
         access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
         config = msgspec.structs.replace(config, access=access)
-    _check_access(config)
+    problems += _check_access(config)
     if config.pinning.secret is None and environ.get(config.pinning.secret_env):
         pinning = msgspec.structs.replace(config.pinning, secret=environ[config.pinning.secret_env])
         config = msgspec.structs.replace(config, pinning=pinning)
-    return config
+    return config, problems, _url_warnings(config)
 
 
-def _split_launch_args(section: dict[str, Any]) -> None:
+def _validate(value: Any, kind: Any, at: str, problems: list[Problem]) -> None:
+    """Check `value` against the type `kind` as `msgspec.convert(strict=False)` does, recording every
+    problem: an unknown key with the closest known one, an enum with its allowed values."""
+    struct = _struct_type(kind)
+    if struct is not None and isinstance(value, dict):
+        fields = {field.encode_name: field for field in msgspec.structs.fields(struct)}
+        for key, item in value.items():
+            field = fields.get(key)
+            if field is None:
+                where = at.split(".") if at else []
+                problems.append(
+                    Problem(configfiles.join(at, key), f"unknown key; {_known(where, str(key), sorted(fields))}")
+                )
+            else:
+                _validate(item, field.type, configfiles.join(at, key), problems)
+        for name, field in fields.items():
+            if field.required and name not in value:
+                problems.append(Problem(configfiles.join(at, name), "is required"))
+        return
+    item = _list_item(kind)
+    if item is not None and isinstance(value, list):
+        for index, element in enumerate(value):
+            _validate(element, item, configfiles.join(at, index), problems)
+        return
+    try:
+        msgspec.convert(value, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        message, _, inner = str(exc).partition(" - at `$")
+        path = at + inner.rstrip("`") if inner else at
+        allowed = _literal_values(kind)
+        if message.startswith("Invalid enum value") and allowed:
+            message = f"is {value!r}; the allowed values are {', '.join(map(str, allowed))}"
+        else:
+            message = message[:1].lower() + message[1:]
+        problems.append(Problem(path, message))
+
+
+def _alternatives(kind: Any) -> list[Any]:
+    """The types `kind` allows: its union members, without `Annotated` constraints."""
+    if get_origin(kind) is Annotated:
+        return _alternatives(get_args(kind)[0])
+    if get_origin(kind) in (Union, UnionType):
+        return [alternative for arg in get_args(kind) for alternative in _alternatives(arg)]
+    return [kind]
+
+
+def _struct_type(kind: Any) -> type[msgspec.Struct] | None:
+    structs = [alt for alt in _alternatives(kind) if isinstance(alt, type) and issubclass(alt, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
+
+
+def _list_item(kind: Any) -> Any:
+    """The item type of a list of config sections (`upstreams`), else None."""
+    for alternative in _alternatives(kind):
+        if get_origin(alternative) is list and _struct_type(get_args(alternative)[0]) is not None:
+            return get_args(alternative)[0]
+    return None
+
+
+def _literal_values(kind: Any) -> list[Any]:
+    return [value for alt in _alternatives(kind) if get_origin(alt) is Literal for value in get_args(alt)]
+
+
+def _pruned(section: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
+    """`section` without the keys `problems` name (a list item's problem drops the whole list), so
+    the rest can still be built and checked."""
+    if not problems:
+        return section
+    pruned = copy.deepcopy(section)
+    for problem in problems:
+        *parents, last = problem.path.partition("[")[0].split(".")
+        node: Any = pruned
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last:
+            node.pop(last, None)
+    return pruned
+
+
+def _overlaps(path: str, reported: list[str]) -> bool:
+    """Whether a problem at `path` concerns a key already reported (or one inside or above it)."""
+
+    def under(inner: str, outer: str) -> bool:
+        return inner == outer or inner.startswith((f"{outer}.", f"{outer}["))
+
+    return any(under(path, other) or under(other, path) for other in reported if other)
+
+
+def _url_warnings(config: Config) -> list[Problem]:
+    """Upstream URLs that do not end in /v1: gymproxy sends `<url>/chat/completions`, vLLM serves /v1/...."""
+    urls = [(f"base_url[{i}]", url) for i, url in enumerate(config.base_url)]
+    urls += [(f"upstreams[{i}].url", spec.url) for i, spec in enumerate(config.upstreams)]
+    return [
+        Problem(
+            at,
+            f"{_without_credentials(url)!r} does not end in /v1: gymproxy sends requests to "
+            f"<base_url>/chat/completions, and vLLM serves /v1/chat/completions",
+        )
+        for at, url in urls
+        if STAND_IN_HOST not in url and not _ends_in_v1(url)
+    ]
+
+
+def _ends_in_v1(url: str) -> bool:
+    try:
+        return URL(url.rstrip("/")).path.endswith("/v1")
+    except ValueError:
+        return True  # an unusable URL is a problem of its own
+
+
+def _split_launch_args(section: dict[str, Any], problems: list[Problem]) -> None:
     """`launch.args` given as one string (`--launch-vllm`, a YAML scalar) is split as a shell would,
     and `launch.env` values YAML reads as numbers or booleans (`VLLM_USE_V1: 1`) are taken as written."""
     launch = section.get("launch")
@@ -586,7 +892,7 @@ def _split_launch_args(section: dict[str, Any]) -> None:
         try:
             launch["args"] = shlex.split(launch["args"])
         except ValueError as exc:
-            raise ConfigError(f"config: launch.args: cannot split {launch['args']!r}: {exc}") from None
+            problems.append(Problem("launch.args", f"cannot be split as a shell would: {exc}"))
     if isinstance(launch.get("env"), dict):
         scalar = (bool, int, float)
         launch["env"] = {
@@ -605,7 +911,6 @@ def _reasoning_parser_default(section: dict[str, Any]) -> None:
         str(arg) == "--reasoning-parser" or str(arg).startswith("--reasoning-parser=") for arg in args
     ):
         return
-    log = logging.getLogger("gymproxy")
     if "uses_reasoning_parser" not in section:
         section["uses_reasoning_parser"] = True
         log.info("launch.args has --reasoning-parser: uses_reasoning_parser is true (set it to say otherwise)")
@@ -616,7 +921,7 @@ def _reasoning_parser_default(section: dict[str, Any]) -> None:
         )
 
 
-def _read_old_session_header(section: dict[str, Any]) -> None:
+def _read_old_session_header(section: dict[str, Any], problems: list[Problem]) -> None:
     """`pinning.session_header: NAME` (one header, before harnesses sent their own) means `session_headers: [NAME]`."""
     pinning = section.get("pinning")
     if not isinstance(pinning, dict) or "session_header" not in pinning:
@@ -624,29 +929,41 @@ def _read_old_session_header(section: dict[str, Any]) -> None:
     pinning = dict(pinning)
     old = pinning.pop("session_header")
     if "session_headers" in pinning:
-        raise ConfigError(
-            "config: pinning: give `session_headers` (a list) or the older `session_header` (one name), not both"
+        problems.append(
+            Problem(
+                "pinning.session_header",
+                "give `session_headers` (a list) or the older `session_header` (one name), not both",
+            )
         )
+        return
     pinning["session_headers"] = [old] if isinstance(old, str) else old
     section["pinning"] = pinning
 
 
-def _check(config: Config) -> None:
+def _check(config: Config) -> list[Problem]:
+    """What the keys mean together: every problem, each at the key to change."""
+    problems: list[Problem] = []
     given = config.base_url or config.upstreams or config.upstreams_dns is not None
     if config.launch is not None and given:
-        raise ConfigError(
-            "config: `launch` starts the upstreams itself; give it or `base_url`/`upstreams`/`upstreams_dns`, not both"
+        problems.append(
+            Problem(
+                "launch", "starts the upstreams itself; give it or `base_url`/`upstreams`/`upstreams_dns`, not both"
+            )
         )
     if not given and config.launch is None:
-        raise ConfigError(
-            "config: `base_url` (or `upstreams`, or `upstreams_dns`) needs at least one upstream URL, "
-            "or `launch` (--launch-vllm) to start them"
+        problems.append(
+            Problem(
+                "base_url",
+                "`base_url` (or `upstreams`, or `upstreams_dns`) needs at least one upstream URL, "
+                "or `launch` (--launch-vllm) to start them; an overlay file merges over one that has them "
+                "(--config base.yaml --config overlay.yaml)",
+            )
         )
     if config.upstreams_dns is not None:
         try:
             dns_target(config.upstreams_dns)
         except ValueError as exc:
-            raise ConfigError(f"config: upstreams_dns: {exc}") from None
+            problems.append(Problem("upstreams_dns", str(exc)))
     specs = upstream_specs(config)
     where = [f"base_url[{i}]" for i in range(len(config.base_url))]
     where += [f"upstreams[{i}]" for i in range(len(config.upstreams))]
@@ -654,25 +971,26 @@ def _check(config: Config) -> None:
         try:
             check_upstream(spec)
         except BadUpstream as exc:
-            raise ConfigError(f"config: {at}: {exc}") from None
+            problems.append(Problem(at, str(exc)))
     try:
         check_key(config.api_key, "api_key")
     except BadUpstream as exc:
-        raise ConfigError(f"config: {exc}") from None
+        problems.append(Problem("api_key", str(exc)))
     names = [spec.name or spec.url for spec in specs]
     if len(set(names)) != len(names):
-        raise ConfigError(f"config: upstream names must be unique, got {names}")
+        shown = [_without_credentials(name) for name in names]
+        problems.append(Problem("upstreams", f"upstream names must be unique, got {shown}"))
     most = config.limits.max_upstreams
     count = len(specs) if config.launch is None else config.launch.replicas
     if count > most:
-        raise ConfigError(f"config: {count} upstreams; limits.max_upstreams allows {most}")
+        problems.append(Problem("limits.max_upstreams", f"{count} upstreams; limits.max_upstreams allows {most}"))
     if config.render_chat_template and not config.use_completions_api:
-        raise ConfigError("config: `render_chat_template` only applies with `use_completions_api: true`")
+        problems.append(Problem("render_chat_template", "only applies with `use_completions_api: true`"))
     if config.use_completions_api and config.supply_prefix_token_ids:
-        raise ConfigError("config: `supply_prefix_token_ids` cannot be combined with `use_completions_api`")
+        problems.append(Problem("supply_prefix_token_ids", "cannot be combined with `use_completions_api`"))
     for key, why in _UNSUPPORTED.items():
         if getattr(config, key) not in (None, False):
-            raise ConfigError(f"config: `{key}` is not supported by gymproxy ({why})")
+            problems.append(Problem(key, f"`{key}` is not supported by gymproxy ({why})"))
     if config.is_responses_native:
         clashes = [
             key
@@ -685,39 +1003,43 @@ def _check(config: Config) -> None:
             if bad
         ]
         if clashes:
-            raise ConfigError(
-                f"config: `is_responses_native` forwards /v1/responses unconverted, so {clashes} cannot apply"
+            problems.append(
+                Problem("is_responses_native", f"forwards /v1/responses unconverted, so {clashes} cannot apply")
             )
+    return problems
 
 
-def _check_access(config: Config) -> None:
-    """Refuse the access settings that would not protect what they seem to (`api_keys` as finally read)."""
+def _check_access(config: Config) -> list[Problem]:
+    """The access settings that would not protect what they seem to (`api_keys` as finally read)."""
     access = config.access
     if access.api_keys:
-        return
+        return []
+    problems: list[Problem] = []
     if access.admin_requires_key:
-        raise ConfigError(
-            "config: access.admin_requires_key needs access.api_keys (or access.api_keys_file): "
-            "with no key there is nothing to require; set keys, or drop admin_requires_key"
+        problems.append(
+            Problem(
+                "access.admin_requires_key",
+                "needs access.api_keys (or access.api_keys_file): with no key there is nothing to require; "
+                "set keys, or drop admin_requires_key",
+            )
         )
-    if access.admin_fleet_changes and not is_loopback(config.host):
-        raise ConfigError(
-            f"config: access.admin_fleet_changes with no access.api_keys would let anyone who reaches "
-            f"{config.host}:{config.port} change the upstreams (and so read every prompt); set access.api_keys "
-            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
-        )
-    if access.fleet_control and not is_loopback(config.host):
-        raise ConfigError(
-            f"config: access.fleet_control with no access.api_keys would let anyone who reaches "
-            f"{config.host}:{config.port} pause every engine or load weights into them; set access.api_keys "
-            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
-        )
+    exposed = (
+        ("admin_fleet_changes", access.admin_fleet_changes, "change the upstreams (and so read every prompt)"),
+        ("fleet_control", access.fleet_control, "pause every engine or load weights into them"),
+    )
+    for key, on, what in exposed:
+        if on and not is_loopback(config.host):
+            problems.append(Problem(f"access.{key}", _exposed(config, what)))
     if config.capture.enabled and not is_loopback(config.host):
-        raise ConfigError(
-            f"config: capture.enabled with no access.api_keys would let anyone who reaches "
-            f"{config.host}:{config.port} read every captured prompt at /v1/rollouts; set access.api_keys "
-            f"(or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
-        )
+        problems.append(Problem("capture.enabled", _exposed(config, "read every captured prompt at /v1/rollouts")))
+    return problems
+
+
+def _exposed(config: Config, what: str) -> str:
+    return (
+        f"with no access.api_keys would let anyone who reaches {config.host}:{config.port} {what}; set "
+        "access.api_keys (or access.api_keys_file), or listen on a loopback host (127.0.0.1, ::1, localhost)"
+    )
 
 
 def upstream_specs(config: Config) -> list[UpstreamSpec]:
@@ -750,39 +1072,6 @@ def dns_target(value: str) -> DnsTarget:
     return DnsTarget(scheme, host.strip("[]"), int(port), slash + path)
 
 
-def _section(raw: dict[str, Any], server: str | None) -> tuple[dict[str, Any], str | None]:
-    """Find the vllm_model (or local_vllm_model) section in NeMo Gym's nested layout, or take a flat
-    file as it is."""
-    nested = {
-        key: value
-        for key, value in raw.items()
-        if isinstance(value, dict) and any(t in value for t in NEMO_SERVER_TYPES)
-    }
-    if not nested:
-        return raw, None
-    stray = sorted(set(raw) - set(nested))
-    if stray:
-        raise ConfigError(f"config: unknown top-level key(s) {stray} beside NeMo Gym server entries")
-    models: dict[str, dict[str, Any]] = {}
-    for key, value in nested.items():
-        kinds = value.get("responses_api_models")
-        if not isinstance(kinds, dict):
-            continue
-        for kind in NEMO_MODEL_TYPES:
-            if isinstance(kinds.get(kind), dict):
-                block = kinds[kind]
-                models[key] = from_local_vllm_model(block) if kind == "local_vllm_model" else block
-    if server is not None:
-        if server not in models:
-            raise ConfigError(f"config: no vllm_model server named {server!r} (found {sorted(models)})")
-        return models[server], server
-    if len(models) != 1:
-        found = sorted(models) or "none"
-        raise ConfigError(f"config: expected exactly one vllm_model server, found {found}; pick one with --server")
-    ((name, section),) = models.items()
-    return section, name
-
-
 NEMO_MODEL_TYPES = ("vllm_model", "local_vllm_model")
 # local_vllm_model keys gymproxy does not implement, refused by name whenever they are set.
 _LOCAL_REFUSED = {
@@ -802,12 +1091,13 @@ _LOCAL_SUBPROCESS = {
 _LOCAL_MANAGED = ("host", "port", "uds")  # vllm_serve_kwargs gymproxy sets itself
 
 
-def from_local_vllm_model(block: dict[str, Any]) -> dict[str, Any]:
+def from_local_vllm_model(block: dict[str, Any], problems: list[Problem]) -> dict[str, Any]:
     """A NeMo Gym `local_vllm_model` block as gymproxy keys: the `vllm_model` keys it shares stay,
     and `vllm_serve_kwargs`, `vllm_serve_env_vars`, `hf_home` and `subprocess` become `launch`, so
     gymproxy starts the server LocalVLLMModel would (one `vllm serve model --download-dir
     <hf_home>/hub ...` on the GPUs its parallel sizes need). A block with a `base_url` names a server
-    already running, as in NeMo Gym: nothing is launched. A `launch` key of the block's own wins."""
+    already running, as in NeMo Gym: nothing is launched. A `launch` key of the block's own wins.
+    What cannot be carried over is added to `problems` (paths relative to the block)."""
     section = dict(block)
     kwargs = section.pop("vllm_serve_kwargs", None) or {}
     env = section.pop("vllm_serve_env_vars", None) or {}
@@ -818,27 +1108,36 @@ def from_local_vllm_model(block: dict[str, Any]) -> dict[str, Any]:
     section.pop("debug", None)  # gymproxy always logs each replica's command line
     for key, why in _LOCAL_REFUSED.items():
         if section.pop(key, None) is not None:
-            raise ConfigError(f"config: local_vllm_model `{key}` is not supported by gymproxy ({why})")
+            problems.append(Problem(key, f"local_vllm_model `{key}` is not supported by gymproxy ({why})"))
     if section.get("base_url"):
         return section
     if launcher not in ("ray", "subprocess"):
-        raise ConfigError(f"config: local_vllm_model `launcher` must be ray or subprocess, got {launcher!r}")
-    if not isinstance(kwargs, dict) or not isinstance(env, dict) or not isinstance(subprocess, dict):
-        raise ConfigError(
-            "config: local_vllm_model `vllm_serve_kwargs`, `vllm_serve_env_vars` and `subprocess` are mappings"
-        )
+        problems.append(Problem("launcher", f"local_vllm_model `launcher` must be ray or subprocess, got {launcher!r}"))
+    for key, value in (("vllm_serve_kwargs", kwargs), ("vllm_serve_env_vars", env), ("subprocess", subprocess)):
+        if not isinstance(value, dict):
+            problems.append(Problem(key, "must be a mapping"))
     model = section.get("model")
     if not isinstance(model, str) or not model:
-        raise ConfigError("config: local_vllm_model needs `model` (the checkpoint to serve)")
+        problems.append(Problem("model", "local_vllm_model needs `model` (the checkpoint to serve)"))
+    if not (isinstance(kwargs, dict) and isinstance(env, dict) and isinstance(subprocess, dict)):
+        return section
     launch: dict[str, Any] = {}
     for key, value in subprocess.items():
-        if key not in _LOCAL_SUBPROCESS:
-            raise ConfigError(f"config: local_vllm_model `subprocess.{key}` is not supported by gymproxy")
-        launch[_LOCAL_SUBPROCESS[key]] = value
+        if key in _LOCAL_SUBPROCESS:
+            launch[_LOCAL_SUBPROCESS[key]] = value
+        else:
+            problems.append(
+                Problem(f"subprocess.{key}", f"local_vllm_model `subprocess.{key}` is not supported by gymproxy")
+            )
     options = {str(key).replace("-", "_"): value for key, value in kwargs.items()}
     for key in _LOCAL_MANAGED:
         if key in options:
-            raise ConfigError(f"config: local_vllm_model `vllm_serve_kwargs.{key}` is set by gymproxy for each replica")
+            problems.append(
+                Problem(
+                    f"vllm_serve_kwargs.{key}",
+                    f"local_vllm_model `vllm_serve_kwargs.{key}` is set by gymproxy for each replica",
+                )
+            )
     checkpoint = options.pop("model", model)
     if checkpoint != model:
         options.setdefault("served_model_name", model)
@@ -870,40 +1169,6 @@ def to_vllm_args(options: Mapping[str, Any]) -> list[str]:
         else:
             args.append(f"{flag}={value}")
     return args
-
-
-def _resolve(
-    node: Any, overrides: Mapping[str, str], environ: Mapping[str, str], where: str, unresolved: dict[str, str] | None
-) -> Any:
-    if isinstance(node, dict):
-        return {
-            k: _resolve(v, overrides, environ, f"{where}.{k}" if where else str(k), unresolved) for k, v in node.items()
-        }
-    if isinstance(node, list):
-        return [_resolve(v, overrides, environ, f"{where}[{i}]", unresolved) for i, v in enumerate(node)]
-    if not isinstance(node, str) or "${" not in node:
-        return node
-
-    def lookup(name: str, whole: bool) -> str:
-        name = name.strip()
-        if name in overrides:
-            return overrides[name]
-        if name in environ:
-            return environ[name]
-        if unresolved is not None:
-            unresolved[name] = where
-            return _stand_in(where, name) if whole else name
-        raise ConfigError(
-            f"config: `{where}` uses ${{{name}}}, which is neither given with --set nor in the environment"
-        )
-
-    whole = _PLACEHOLDER.fullmatch(node)
-    if whole:
-        # A whole-value placeholder may carry a YAML list or mapping (several base URLs);
-        # scalars stay strings and are converted to the key's type by build_config.
-        value = lookup(whole.group(1), True)
-        return yaml.safe_load(value) if value.lstrip().startswith(("[", "{")) else value
-    return _PLACEHOLDER.sub(lambda m: lookup(m.group(1), False), node)
 
 
 STAND_IN_HOST: Final = "given-at-serve-time.invalid"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -230,7 +232,7 @@ def test_base_url_and_api_key_are_checked_like_any_upstream() -> None:
 def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_keys(tmp_path: Path) -> None:
     changes = {"admin_fleet_changes": True}
     for host in ("0.0.0.0", "::", "10.0.0.5", "vllm-proxy.example"):
-        with pytest.raises(ConfigError, match="admin_fleet_changes with no access.api_keys .* loopback host"):
+        with pytest.raises(ConfigError, match="access.admin_fleet_changes: with no access.api_keys .* loopback host"):
             build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         build_config({"base_url": "http://x/v1", "host": host, "access": changes}, environ={})
@@ -238,7 +240,7 @@ def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_ke
     keys.write_text("# the admins\nk1\n")
     for access in ({"api_keys": ["k"]}, {"api_keys_file": str(keys)}):
         build_config({"base_url": "http://x/v1", "host": "0.0.0.0", "access": {**changes, **access}}, environ={})
-    with pytest.raises(ConfigError, match="admin_requires_key needs access.api_keys"):
+    with pytest.raises(ConfigError, match="access.admin_requires_key: needs access.api_keys"):
         build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True}}, environ={})
     build_config({"base_url": "http://x/v1", "access": {"admin_requires_key": True, "api_keys_file": str(keys)}})
 
@@ -355,3 +357,183 @@ def test_session_headers_and_the_older_single_header_key() -> None:
         build_config({"base_url": "http://x/v1", "pinning": {"session_header": "A", "session_headers": ["B"]}})
     with pytest.raises(ConfigError, match=r"session_headers\[0\]"):
         build_config({"base_url": "http://x/v1", "pinning": {"session_headers": ["no spaces"]}}, environ={})
+
+
+# --- every problem at once, at its file and line (#24) ---------------------------------------------
+
+THREE_MISTAKES = """\
+policy_model:
+  responses_api_models:
+    vllm_model:
+      base_url: http://vllm:8000/v1
+      uses_reasoning_parsr: true
+      pinning:
+        secrte: x
+      reasoning_field: reasoning-content
+"""
+
+
+def test_three_mistakes_are_three_errors_at_their_lines_with_a_suggestion(tmp_path: Path) -> None:
+    path = write(tmp_path, THREE_MISTAKES)
+    at = "policy_model.responses_api_models.vllm_model"
+    expected = [
+        f"{path}:5: {at}.uses_reasoning_parsr: unknown key; did you mean uses_reasoning_parser?",
+        f"{path}:7: {at}.pinning.secrte: unknown key; did you mean pinning.secret?",
+        f"{path}:8: {at}.reasoning_field: is 'reasoning-content'; the allowed values are both, reasoning, "
+        "reasoning_content",
+    ]
+    with pytest.raises(ConfigError) as error:
+        load_config(path, environ={})
+    assert str(error.value).splitlines() == expected
+    for command in (["check-config", str(path)], ["serve", "--config", str(path)]):
+        done = subprocess.run([sys.executable, "-m", "gymproxy", *command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.splitlines() == [f"gymproxy: {line}" for line in expected]
+
+
+def test_the_flat_layout_is_located_too(tmp_path: Path) -> None:
+    path = write(tmp_path, "base_url: [http://a/v1, 'http://b:99999/v1']\ntimeouts:\n  raed: 5\nport: nine\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path, environ={})
+    assert str(error.value).splitlines() == [
+        f"{path}:3: timeouts.raed: unknown key; did you mean timeouts.read?",
+        f"{path}:4: port: expected `int`, got `str`",
+        f"{path}:1: base_url[1]: url 'http://b:99999/v1' cannot be used: Port out of range 0-65535",
+    ]
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n"])
+def test_an_empty_file_says_so(tmp_path: Path, text: str) -> None:
+    path = write(tmp_path, text)
+    checked = _check_config(str(path))
+    assert checked.returncode == 2
+    assert checked.stderr == f"gymproxy: {path}: is empty: give it config keys (a mapping), or leave it out\n"
+
+
+def test_a_base_url_without_v1_is_a_warning(tmp_path: Path) -> None:
+    path = write(tmp_path, "base_url: [http://a:8000/v1, http://b:8000]\nupstreams: [{url: 'http://c/v1/'}]\n")
+    checked = _check_config(str(path))
+    assert checked.returncode == 0 and checked.stdout.startswith("ok: 3 upstream(s)")
+    assert checked.stderr.splitlines() == [
+        f"gymproxy: warning: {path}:1: base_url[1]: 'http://b:8000' does not end in /v1: gymproxy sends requests "
+        "to <base_url>/chat/completions, and vLLM serves /v1/chat/completions"
+    ]
+    warnings: list[str] = []
+    load_config(path, environ={}, warnings=warnings)
+    assert len(warnings) == 1 and "base_url[1]" in warnings[0]
+
+
+def test_check_config_help_documents_the_exit_status() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "gymproxy", "check-config", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0
+    assert "exit status:" in shown.stdout and "  2  the config or the command line is wrong" in shown.stdout
+
+
+def test_serve_and_check_config_take_several_files_and_overrides(tmp_path: Path) -> None:
+    base = tmp_path / "base.yaml"
+    base.write_text(NEMO)
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(
+        "policy_model:\n  responses_api_models:\n    vllm_model:\n      return_token_id_information: true\n"
+    )
+    values = [f"+{name}={value}" for name, value in VALUES.items()]
+    checked = _check_config(str(base), str(overlay), *values)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout == "ok: 1 upstream(s): http://vllm:8000/v1; model Qwen/Qwen3-8B\n"
+    config = load_config([base, overlay], hydra=values, environ={})
+    assert config.return_token_id_information is True and config.api_key == "k"
+
+
+def test_a_reload_reads_every_file_and_override_again(tmp_path: Path) -> None:
+    """SIGHUP re-reads the config as serve first read it: the same files, overrides and --set pairs."""
+    from gymproxy.cli import Loader
+
+    base = tmp_path / "base.yaml"
+    base.write_text("base_url: http://a/v1\n")
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("model: m1\n")
+    reload = Loader([str(base), str(overlay)], {"pinning.secret": "s"}, None, {}, ["++port=9001"])
+    first = reload()
+    assert (first.base_url, first.model, first.port, first.pinning.secret) == (["http://a/v1"], "m1", 9001, "s")
+    overlay.write_text("model: m2\nbase_url: [http://a/v1, http://b/v1]\n")
+    second = reload()
+    assert second.model == "m2" and second.base_url == ["http://a/v1", "http://b/v1"] and second.port == 9001
+    overlay.write_text("model: m3\nbogus: 1\n")
+    with pytest.raises(ConfigError, match="overlay.yaml:2: bogus: unknown key"):
+        reload()
+
+
+def _migration_command() -> str:
+    """The command of the README's "From NeMo Gym's `vllm_model` server" paragraph, as written."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Migrating") :]
+    paragraph = " ".join(section[section.index("**From NeMo Gym's `vllm_model` server.**") :].split("\n\n")[0].split())
+    return paragraph.split("Run `", 1)[1].split("`", 1)[0]
+
+
+@pytest.mark.parametrize("by", ["--set", "environment"])
+async def test_the_readme_migration_instructions_work_verbatim(tmp_path: Path, fake_vllm, by: str) -> None:
+    """`gymproxy serve --config <your vllm_model.yaml> --set policy_base_url=... ...` (or export those
+    variables), with NeMo Gym's own vllm_model.yaml, serves a chat through to vLLM."""
+    import aiohttp
+
+    from .served import free_port
+
+    command = _migration_command()
+    assert command == (
+        "gymproxy serve --config <your vllm_model.yaml> --set policy_base_url=... --set policy_api_key=... "
+        "--set policy_model_name=..."
+    )
+    values = {"policy_base_url": fake_vllm.url, "policy_api_key": "EMPTY", "policy_model_name": "Qwen/Qwen3-8B"}
+    words = command.replace("<your vllm_model.yaml>", str(CONF / "vllm_model.yaml")).split()
+    env = {"PATH": os.environ["PATH"]}
+    if by == "--set":
+        words = [f"{w.partition('=')[0]}={values[w.partition('=')[0]]}" if w.endswith("=...") else w for w in words]
+    else:  # "or export those variables"
+        words = [w for w in words if not w.endswith("=...") and w != "--set"]
+        env |= values
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gymproxy", *words[1:], "--port", str(port)], stdout=output, stderr=output, env=env
+        )
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(200):
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as health:
+                        if health.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert process.poll() is None, log.read_text()
+                await asyncio.sleep(0.05)
+            body = {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}]}
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+                assert (await reply.json())["model"] == "Qwen/Qwen3-8B"
+    finally:
+        process.terminate()  # its 8 workers (num_workers: 8) drain; on a loaded machine that takes a while
+        try:
+            process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise AssertionError(f"gymproxy serve did not stop on SIGTERM:\n{log.read_text()[-3000:]}") from None
+
+
+def test_overrides_and_files_may_sit_among_the_options() -> None:
+    from gymproxy.cli import _arguments, _parser
+
+    parser = _parser()
+    args = _arguments(parser, ["serve", "--config", "a.yaml", "+x=1", "--port", "9000", "++y=2", "~z"])
+    assert (args.config, args.overrides, args.port) == (["a.yaml"], ["+x=1", "++y=2", "~z"], 9000)
+    args = _arguments(parser, ["check-config", "a.yaml", "--set", "q=1", "b.yaml", "k=v"])
+    assert (args.items, args.set) == (["a.yaml", "b.yaml", "k=v"], ["q=1"])
+    for argv in (["serve", "--port", "1", "a.yaml"], ["serve", "--bogus"], ["check-config", "a.yaml", "--bogus"]):
+        with pytest.raises(SystemExit) as exited:
+            _arguments(parser, argv)
+        assert exited.value.code == 2

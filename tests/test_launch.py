@@ -881,7 +881,7 @@ def test_a_nemo_gym_local_vllm_model_block_starts_the_same_server(tmp_path: Path
         (["--launch-vllm", "tiny --port 9000"], {}, "launch.args: gymproxy sets --port for each replica"),
         (["--launch-vllm", "--model tiny"], {}, "the model first"),
         (["--launch-vllm", "tiny 'unclosed"], {}, "--launch-vllm: cannot split"),
-        (["--replicas", "0"], {}, "Expected `int` >= 1 - at `$.launch.replicas`"),
+        (["--replicas", "0"], {}, "launch.replicas: expected `int` >= 1"),
         (["--upstream", "http://x/v1"], {}, "give it or `base_url`/`upstreams`/`upstreams_dns`, not both"),
     ],
 )
