@@ -264,8 +264,15 @@ def _overrides(items: Sequence[str], problems: list[Problem]) -> tuple[DictConfi
     given: dict[str, str] = {}
     if not items:
         return command, deletes, given
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+    except ImportError:  # the optional extra `nemo`
+        where = f"override {items[0].split('=', 1)[0]}"
+        problems.append(
+            Problem("", "Hydra-style overrides need hydra-core: pip install 'gymproxy[nemo]' (or use --set)", where)
+        )
+        return command, deletes, given
 
     parser = OverridesParser.create()
     for item in items:
