@@ -257,6 +257,17 @@ def test_an_override_added_twice_is_refused(tmp_path: Path) -> None:
     assert load_config(path, hydra=["+x=1", "++x=2"], environ={}).base_url == ["http://h/v1"]
 
 
+def test_without_the_nemo_extra_an_override_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ["hydra", *(name for name in sys.modules if name.startswith("hydra."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # hydra-core not installed: its import fails
+    path = nemo(tmp_path, "c.yaml", "base_url: http://h/v1\n")
+    with pytest.raises(ConfigError, match=r"override \+x: .*pip install 'gymproxy\[nemo\]'"):
+        load_config(path, hydra=["+x=1"], environ={})
+    assert load_config(path, environ={}).base_url == ["http://h/v1"]
+
+
 # --- hostile files: each a one-line error, in bounded time and memory ------------------------------
 
 
