@@ -34,7 +34,7 @@ from .config import Capture as CaptureConfig
 from .errors import BadRequest, Conflict, Unavailable
 from .ids import hex32
 from .metrics import TTFB_BUCKETS, Histogram, label
-from .rollouts.record import Call, Outcome
+from .rollouts.record import Call, LogProb, Outcome
 from .rollouts.store import Bounds, Stats, Store, open_store
 
 log = logging.getLogger("gymproxy")
@@ -51,17 +51,12 @@ _FINISH_REASON: Final = b'"finish_reason":"'
 # A choice's log probs end where its finish reason begins: no key of a JSON object can be matched
 # inside one of its strings, whose quotes are escaped.
 _AFTER_LOGPROBS: Final = b',"finish_reason":'
-_LOGPROB: Final = re.compile(rb'"logprob":(-?[0-9][0-9.eE+\-]*)')
 # A token field with a value the client did not ask for (vLLM sends `null` when not asked).
 _SHOWN: Final = re.compile(rb'"(?:prompt_token_ids|token_ids)"\s*:\s*\[|"logprobs"\s*:\s*\{')
 
 
-class _LogProb(msgspec.Struct):
-    logprob: float
-
-
 class _LogProbs(msgspec.Struct):
-    content: list[_LogProb] | None = None
+    content: list[LogProb] | None = None
 
 
 _LOGPROBS_VIEW: Final = msgspec.json.Decoder(_LogProbs)
@@ -193,10 +188,9 @@ class Recording:
         "strip_usage",
         "lost",
         "usage",
-        "_top",
         "_prompt",
         "_generated",
-        "_logprobs",
+        "_entries",
     )
 
     def __init__(self, capture: Capture, call: Call) -> None:
@@ -207,10 +201,9 @@ class Recording:
         self.strip_usage = False  # nor, streamed, for the usage chunk
         self.lost = False  # the start record was not taken
         self.usage: Any = None  # vLLM's usage, as the exchange read it
-        self._top = 0  # top_logprobs asked of vLLM: each token's log prob then comes with its alternatives'
         self._prompt: bytes | None = None  # a stream's token fields as `tap` meets them, as JSON
         self._generated = bytearray()  # the generated ids, comma-separated
-        self._logprobs: list[bytes] = []  # their log probs, as JSON numbers
+        self._entries = bytearray()  # their `logprobs.content` entries (or log probs), comma-separated
 
     def ask(self, body: dict[str, Any]) -> None:
         """Ask vLLM's chat API for the tokens, in the body about to be sent."""
@@ -221,8 +214,6 @@ class Recording:
             body["logprobs"] = True
             body["top_logprobs"] = 0
             self.strip_logprobs = True
-        top = body.get("top_logprobs")
-        self._top = top if isinstance(top, int) else 0
         options = body.get("stream_options")
         if body.get("stream") is True and not (isinstance(options, dict) and options.get("include_usage") is True):
             body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -248,7 +239,7 @@ class Recording:
             logprobs, generated = fields
             if at == 0:
                 if logprobs is not None:
-                    call.generation_log_probs = _numbers(self._values(payload[logprobs[0] : logprobs[1]]))
+                    call.generation_log_probs = _content(payload[logprobs[0] : logprobs[1]])
                     call.finish_reason = _string(payload, _FINISH_REASON, logprobs[1]) or call.finish_reason
                 if generated is not None:
                     call.generation_token_ids = msgspec.Raw(payload[generated[0] : generated[1]])
@@ -306,46 +297,51 @@ class Recording:
     def tap(self, payload: bytes) -> bytes | None:
         """One chat stream payload: its token fields kept, and stripped from what the client gets
         (None: the payload is not the client's: the usage chunk it did not ask for)."""
-        if b'token_ids":[' not in payload and b'"logprobs":' not in payload and b'"usage":{' not in payload:
-            return payload
-        if b'"choices":[]' in payload:  # the usage chunk: the only one without choices
-            chunk = orjson.loads(payload)
-            self.usage = chunk.get("usage") if isinstance(chunk, dict) else None
-            return None if self.strip_usage else payload
-        kept = (self._prompt, len(self._generated), len(self._logprobs))
-        nulled: list[tuple[int, int]] = []
-        fields = _choice(payload, 0)
-        at = 0
-        if fields is not None:
-            logprobs, generated = fields
-            if logprobs is not None:
-                self._logprobs += self._values(payload[logprobs[0] : logprobs[1]])
-                reason = _string(payload, _FINISH_REASON, logprobs[1])
-                if reason is not None:
-                    self.call.finish_reason = reason
-                if self.strip_logprobs:
-                    nulled.append(logprobs)
-            if generated is not None:
-                self._generate(payload[generated[0] + 1 : generated[1] - 1])
-                if self.strip_ids:
-                    nulled.append(generated)
-            at = max(span[1] for span in fields if span is not None)
-        prompt = _array(payload, _PROMPT_IDS, at) or (_array(payload, _PROMPT_IDS) if at else None)
-        if prompt is not None:
+        nulled: list[Span] = []
+        logprobs = _object(payload, _LOGPROBS)
+        if logprobs is not None:
+            content = payload[logprobs[0] : logprobs[1]]
+            if not (content.startswith(b'{"content":[') and content.endswith(b"]}")):
+                return self._tap_parsed(payload)
+            _join(self._entries, content[12:-2])
+            if self.strip_logprobs:
+                nulled.append(logprobs)
+            if self.call.finish_reason is None:
+                self.call.finish_reason = _string(payload, _FINISH_REASON, logprobs[1])
+        generated = _array(payload, _TOKEN_IDS, logprobs[1] if logprobs is not None else 0)
+        if generated is not None:
+            _join(self._generated, payload[generated[0] + 1 : generated[1] - 1])
+            if self.strip_ids:
+                nulled.append(generated)
+        if self._prompt is None and (prompt := _array(payload, _PROMPT_IDS)) is not None:
             self._prompt = payload[prompt[0] : prompt[1]]
             if self.strip_ids:
                 nulled.append(prompt)
-        if self.call.finish_reason is None and (fields is None or fields[0] is None):
-            reason = _string(payload, _FINISH_REASON)
-            if reason is not None:
-                self.call.finish_reason = reason
-        out = _nulled(payload, nulled) if nulled else payload
-        if not self._shows(out):
-            return out
-        # Not written as vLLM writes it: what the scan took goes, and the payload is parsed.
-        self._prompt = kept[0]
-        del self._generated[kept[1] :]
-        del self._logprobs[kept[2] :]
+        if nulled:
+            return _nulled(payload, nulled)
+        if logprobs is not None or generated is not None:
+            return payload
+        if b'"usage"' in payload and b'"usage":null' not in payload:  # the usage chunk (or continuous stats)
+            chunk = orjson.loads(payload)
+            if isinstance(chunk, dict) and chunk.get("usage") is not None:
+                self.usage = chunk["usage"]
+                if not chunk.get("choices"):
+                    return None if self.strip_usage else payload
+        if self.call.finish_reason is None and b'"finish_reason":"' in payload:
+            self.call.finish_reason = _string(payload, _FINISH_REASON)
+        # Not one of vLLM's payloads with tokens, as it writes them: parsed if token fields show.
+        return self._tap_parsed(payload) if self._shows(payload) else payload
+
+    def tapped(self) -> None:
+        """What `tap` kept, into the record (the stream has ended)."""
+        call = self.call
+        if self._prompt is not None:
+            call.prompt_token_ids = msgspec.Raw(self._prompt)
+        call.generation_token_ids = msgspec.Raw(b"[" + self._generated + b"]")
+        call.generation_log_probs = msgspec.Raw(b"[" + self._entries + b"]")
+
+    def _tap_parsed(self, payload: bytes) -> bytes:
+        """`tap` for a payload not written as vLLM writes it: parsed."""
         chunk = orjson.loads(payload)
         if not isinstance(chunk, dict):
             return payload
@@ -356,38 +352,16 @@ class Recording:
         if choice is not None:
             ids = _ints(choice.get("token_ids"))
             if ids:
-                self._generate(orjson.dumps(ids)[1:-1])
+                _join(self._generated, orjson.dumps(ids)[1:-1])
             logprobs = choice.get("logprobs")
             values = _log_probs(logprobs.get("content") if isinstance(logprobs, dict) else None)
-            self._logprobs += [orjson.dumps(value) for value in values or ()]
+            if values:
+                _join(self._entries, orjson.dumps(values)[1:-1])
+            reason = choice.get("finish_reason")
+            if isinstance(reason, str):
+                self.call.finish_reason = reason
         self.strip(chunk)
         return orjson.dumps(chunk)
-
-    def tapped(self) -> None:
-        """What `tap` kept, into the record (the stream has ended)."""
-        call = self.call
-        if self._prompt is not None:
-            call.prompt_token_ids = msgspec.Raw(self._prompt)
-        call.generation_token_ids = msgspec.Raw(b"[" + self._generated + b"]")
-        call.generation_log_probs = _numbers(self._logprobs)
-
-    def _generate(self, ids: bytes) -> None:
-        """Comma-separated ids, added to those generated so far."""
-        if ids:
-            if self._generated:
-                self._generated += b","
-            self._generated += ids
-
-    def _values(self, logprobs: bytes) -> list[bytes]:
-        """The log probs of a choice's `logprobs` object as vLLM wrote it, as JSON numbers (parsed
-        only when each comes with alternatives, whose log probs a scan would take as well)."""
-        if not self._top:
-            return _LOGPROB.findall(logprobs)
-        try:
-            content = _LOGPROBS_VIEW.decode(logprobs).content
-        except msgspec.DecodeError:
-            return []
-        return [orjson.dumps(entry.logprob) for entry in content or ()]
 
     def _shows(self, payload: bytes) -> bool:
         """Whether token fields the client did not ask for are still in `payload`."""
@@ -436,12 +410,12 @@ def _ints(value: Any) -> list[int] | None:
     return None
 
 
-def _log_probs(content: Any) -> list[float] | None:
+def _log_probs(content: Any) -> list[float | LogProb] | None:
     """Each generated token's log prob from `logprobs.content` (vLLM's floats; -9999.0 as it sends
     for -inf)."""
     if not isinstance(content, list):
         return None
-    values: list[float] = []
+    values: list[float | LogProb] = []
     for entry in content:
         logprob = entry.get("logprob") if isinstance(entry, dict) else None
         if not isinstance(logprob, float | int) or isinstance(logprob, bool):
@@ -502,6 +476,22 @@ def _nulled(payload: bytes, spans: list[Span]) -> bytes:
     return b"".join(pieces)
 
 
-def _numbers(values: list[bytes]) -> msgspec.Raw:
-    """JSON numbers as one JSON array."""
-    return msgspec.Raw(b"[" + b",".join(values) + b"]")
+def _content(logprobs: bytes) -> msgspec.Raw | list[float | LogProb] | None:
+    """A whole reply's `logprobs` object as vLLM wrote it: its `content` entries, kept as JSON (read
+    back as numbers: `rollouts.record.decode_call`); parsed when written otherwise."""
+    if logprobs.startswith(b'{"content":[') and logprobs.endswith(b"]}"):
+        return msgspec.Raw(logprobs[11:-1])
+    try:
+        content = _LOGPROBS_VIEW.decode(logprobs).content
+    except msgspec.DecodeError:
+        return None
+    values: list[float | LogProb] | None = None if content is None else [entry.logprob for entry in content]
+    return values
+
+
+def _join(kept: bytearray, items: bytes) -> None:
+    """Comma-separated JSON items, added to those kept so far."""
+    if items:
+        if kept:
+            kept += b","
+        kept += items

@@ -19,6 +19,12 @@ State = Literal["open", "frozen"]
 FAILED: Final = frozenset({"in_flight", "error", "cut"})  # a rollout holding one is not complete
 
 
+class LogProb(msgspec.Struct):
+    """One of vLLM's `logprobs.content` entries, as capture stores it (its other fields are skipped)."""
+
+    logprob: float
+
+
 class Call(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One model call of a rollout, as recorded."""
 
@@ -36,16 +42,32 @@ class Call(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None  # what went wrong, when outcome is "error" or "cut"
     usage: dict[str, Any] | None = None  # vLLM's usage object
     # The tokens as vLLM returned them. Capture keeps them as the JSON vLLM sent (`msgspec.Raw`, written
-    # to the store as they are, never parsed on the request path); a call read back has lists.
+    # to the store as they are, never parsed on the request path): the ids, and for the log probs
+    # vLLM's `logprobs.content` entries; a call read back (`decode_call`) has lists of numbers.
     prompt_token_ids: list[int] | msgspec.Raw | None = None
     generation_token_ids: list[int] | msgspec.Raw | None = None
-    generation_log_probs: list[float] | msgspec.Raw | None = None
+    generation_log_probs: list[float | LogProb] | msgspec.Raw | None = None
     request: dict[str, Any] | None = None  # `capture.record_requests`: messages and tools as sent to vLLM
 
 
 # How a store writes a call and reads it back: JSON, so the tokens capture kept as JSON go as they are.
 encode_call: Final = msgspec.json.Encoder().encode
-decode_call: Final = msgspec.json.Decoder(Call).decode
+_DECODER: Final = msgspec.json.Decoder(Call)
+
+
+def decode_call(data: bytes) -> Call:
+    """A call as a store wrote it, its log probs as numbers."""
+    call = _DECODER.decode(data)
+    if isinstance(call.generation_log_probs, list):
+        call.generation_log_probs = [*log_probs(call.generation_log_probs)]
+    return call
+
+
+def log_probs(values: list[float | LogProb] | msgspec.Raw | None) -> list[float]:
+    """A call's log probs as numbers (none while they are still the JSON capture kept)."""
+    if not isinstance(values, list):
+        return []
+    return [value.logprob if isinstance(value, LogProb) else value for value in values]
 
 
 class Rollout(msgspec.Struct, kw_only=True):

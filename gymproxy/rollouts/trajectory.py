@@ -22,7 +22,7 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-from .record import Call, Rollout
+from .record import Call, Rollout, log_probs
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ def rebuild(calls: Sequence[Call]) -> Trajectory:
         prompt, generated = _read(call.prompt_token_ids), _read(call.generation_token_ids)
         if prompt is None or generated is None:
             continue
-        logprobs = _aligned(_read(call.generation_log_probs), len(generated))
+        logprobs = _aligned(log_probs(call.generation_log_probs), len(generated))
         extended = None
         for index in reversed(open_order):
             tokens = segments[index].token_ids
@@ -136,13 +136,9 @@ def _read(value: list[T] | msgspec.Raw | None) -> list[T] | None:
     return value if isinstance(value, list) else None
 
 
-def _aligned(logprobs: list[float] | None, n: int) -> list[float]:
+def _aligned(logprobs: list[float], n: int) -> list[float]:
     """A call's log probs, one per generated token (0.0 where vLLM gave none)."""
-    if logprobs is None:
-        return [0.0] * n
-    if len(logprobs) >= n:
-        return logprobs[:n]
-    return logprobs + [0.0] * (n - len(logprobs))
+    return logprobs[:n] + [0.0] * max(0, n - len(logprobs))
 
 
 def _rewritten(segments: list[Segment], open_order: list[int], prompt: list[int]) -> tuple[int, int] | None:
