@@ -255,15 +255,16 @@ class Recording:
                 nulled.append(prompt)
         if call.finish_reason is None:
             call.finish_reason = _string(payload, _FINISH_REASON)
-        out = _nulled(payload, nulled) if nulled else payload
-        if self._shows(out):
+        if nulled:
+            return _nulled(payload, nulled)
+        if self._shows(payload):  # token fields, but not as vLLM writes them: parsed
             reply = orjson.loads(payload)
             if not isinstance(reply, dict):
                 return payload  # not a chat reply: the exchange says so
             self.read(reply)
             self.strip(reply)
             return orjson.dumps(reply)
-        return out
+        return payload
 
     def read(self, reply: dict[str, Any]) -> None:
         """The tokens and finish reason of a chat reply as a mapping (the completions backend's, or
