@@ -140,6 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown scenario {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     args.upstream, args.model, args.max_tokens = None, "bench", 0  # what build_bodies reads
+    if not any(item.startswith("uses_reasoning_parser=") for item in args.set):
+        args.set.append("uses_reasoning_parser=true")  # the canned replies carry reasoning, as bench_proxy.py says
     return args
 
 

@@ -298,6 +298,26 @@ class Recording:
     def tap(self, payload: bytes) -> bytes | None:
         """One chat stream payload: its token fields kept, and stripped from what the client gets
         (None: the payload is not the client's: the usage chunk it did not ask for)."""
+        # Most payloads are one generated token's, as vLLM writes it: `..."logprobs":{"content":[ENTRY]},
+        # "finish_reason":...,"token_ids":[ID]}]}`; three partitions take it apart.
+        head, found, rest = payload.partition(b'"logprobs":{"content":[')
+        if found:
+            entries, found, tail = rest.partition(b']},"finish_reason":')
+            between, found_ids, ids_rest = tail.partition(b'"token_ids":[')
+            ids, found_end, after = ids_rest.partition(b"]")
+            alone = b'"prompt_token_ids"' not in head and b'token_ids":[' not in after and b'"logprobs":{' not in after
+            if found and found_ids and found_end and alone:  # one choice's, and nothing else to take out
+                _join(self._entries, entries)
+                _join(self._generated, ids)
+                if between.startswith(b'"'):
+                    self.call.finish_reason = between[1 : between.find(b'"', 1)].decode("utf-8", "replace")
+                if self.strip_logprobs:
+                    head, entries = head + b'"logprobs":null,"finish_reason":', b""
+                else:
+                    head, entries = head + found, entries + b']},"finish_reason":'
+                if self.strip_ids:
+                    return b"".join((head, entries, between, b'"token_ids":null', after))
+                return b"".join((head, entries, between, b'"token_ids":[', ids, b"]", after))
         nulled: list[Span] = []
         logprobs = _object(payload, _LOGPROBS)
         if logprobs is not None:

@@ -118,3 +118,12 @@ def test_the_kept_tokens_are_written_as_vllm_sent_them() -> None:
     record.cut(orjson.dumps(reply(["a", "b"])))
     assert isinstance(record.call.prompt_token_ids, msgspec.Raw)  # never parsed on the request path
     assert b'"prompt_token_ids":[1,2,3]' in encode_call(record.call)
+
+
+def test_a_stream_payload_with_two_choices_shows_neither_ones_tokens() -> None:
+    record = recording(stream=True)
+    (chunk,) = chunks(["a"])[1:2]
+    chunk["choices"].append({**chunk["choices"][0], "index": 1})
+    got = record.tap(orjson.dumps(chunk))
+    assert got is not None
+    assert all(c["token_ids"] is None and c["logprobs"] is None for c in orjson.loads(got)["choices"])
