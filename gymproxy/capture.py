@@ -240,7 +240,7 @@ class Recording:
             if at == 0:
                 if logprobs is not None:
                     call.generation_log_probs = _content(payload[logprobs[0] : logprobs[1]])
-                    call.finish_reason = _string(payload, _FINISH_REASON, logprobs[1]) or call.finish_reason
+                    call.finish_reason = _reason(payload, logprobs[1]) or call.finish_reason
                 if generated is not None:
                     call.generation_token_ids = msgspec.Raw(payload[generated[0] : generated[1]])
             if logprobs is not None and self.strip_logprobs:
@@ -319,28 +319,31 @@ class Recording:
                     return b"".join((head, entries, between, b'"token_ids":null', after))
                 return b"".join((head, entries, between, b'"token_ids":[', ids, b"]", after))
         nulled: list[Span] = []
-        logprobs = _object(payload, _LOGPROBS)
-        if logprobs is not None:
-            content = payload[logprobs[0] : logprobs[1]]
-            if not (content.startswith(b'{"content":[') and content.endswith(b"]}")):
-                return self._tap_parsed(payload)
-            _join(self._entries, content[12:-2])
-            if self.strip_logprobs:
-                nulled.append(logprobs)
-            if self.call.finish_reason is None:
-                self.call.finish_reason = _string(payload, _FINISH_REASON, logprobs[1])
-        generated = _array(payload, _TOKEN_IDS, logprobs[1] if logprobs is not None else 0)
-        if generated is not None:
-            _join(self._generated, payload[generated[0] + 1 : generated[1] - 1])
-            if self.strip_ids:
-                nulled.append(generated)
+        at = 0  # each choice's fields after the last one's; the first choice's are recorded
+        while (fields := _choice(payload, at)) is not None:
+            logprobs, generated = fields
+            if logprobs is not None:
+                content = payload[logprobs[0] : logprobs[1]]
+                if not (content.startswith(b'{"content":[') and content.endswith(b"]}")):
+                    return self._tap_parsed(payload)
+                if at == 0:
+                    _join(self._entries, content[12:-2])
+                    self.call.finish_reason = _reason(payload, logprobs[1]) or self.call.finish_reason
+                if self.strip_logprobs:
+                    nulled.append(logprobs)
+            if generated is not None:
+                if at == 0:
+                    _join(self._generated, payload[generated[0] + 1 : generated[1] - 1])
+                if self.strip_ids:
+                    nulled.append(generated)
+            at = max(span[1] for span in fields if span is not None)
         if self._prompt is None and (prompt := _array(payload, _PROMPT_IDS)) is not None:
             self._prompt = payload[prompt[0] : prompt[1]]
             if self.strip_ids:
                 nulled.append(prompt)
         if nulled:
             return _nulled(payload, nulled)
-        if logprobs is not None or generated is not None:
+        if at:
             return payload
         if b'"usage"' in payload and b'"usage":null' not in payload:  # the usage chunk (or continuous stats)
             chunk = orjson.loads(payload)
@@ -477,9 +480,17 @@ def _choice(payload: bytes, start: int) -> tuple[Span | None, Span | None] | Non
     return logprobs, generated
 
 
-def _string(payload: bytes, key: bytes, start: int = 0) -> str | None:
-    """The first value of `key` (ending in `"`) from `start`, when it is a plain string."""
-    at = payload.find(key, start)
+def _reason(payload: bytes, end: int) -> str | None:
+    """The finish reason that follows a choice's `logprobs` object ending at `end`, when it is a string."""
+    begin = end + len(_AFTER_LOGPROBS)
+    if payload[begin : begin + 1] != b'"':
+        return None
+    return payload[begin + 1 : payload.find(b'"', begin + 1)].decode("utf-8", "replace")
+
+
+def _string(payload: bytes, key: bytes) -> str | None:
+    """The first value of `key` (ending in `"`), when it is a plain string."""
+    at = payload.find(key)
     if at < 0:
         return None
     begin = at + len(key)
