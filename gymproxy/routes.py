@@ -172,7 +172,7 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     stream = req.stream is True
     kept = config.limits.max_reply_size // KEPT_SHARE
     caller.model = config.model or req.model
-    recording = await _captured(proxy, caller, "responses", stream)
+    recording = None if proxy.capture is None else await _captured(proxy, caller, "responses", stream)
     answer = ResponsesAnswer(req, caller.model, parser=config.uses_reasoning_parser, max_text=kept)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
@@ -198,7 +198,7 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
     stream = body.get("stream") is True
     model = config.model if config.model is not None else body.get("model")
     caller.model = model if isinstance(model, str) else None
-    recording = await _captured(proxy, caller, "chat", stream)
+    recording = None if proxy.capture is None else await _captured(proxy, caller, "chat", stream)
     answer = ChatAnswer(model, parser=config.uses_reasoning_parser)
     if proxy.completions is not None:
         warn = proxy.boundary.warn_dropped_template_kwargs
