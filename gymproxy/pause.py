@@ -140,6 +140,12 @@ class Engines:
         """Whether `upstream` says it is paused now (False when it cannot say)."""
         return await self.ask(upstream) is True
 
+    def release(self, upstream: Any) -> None:
+        """`upstream` was resumed (`settle.py`): what waits on it goes now."""
+        event = self._paused.pop(upstream.name, None)
+        if event is not None:
+            event.set()
+
     def resume_all(self) -> None:
         """Every engine was resumed (`/fleet/resume`): what waits on them goes now."""
         for event in self._paused.values():

@@ -264,6 +264,245 @@ async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker
     assert sum(proxy.fleet.pinner.moves.values()) == 0  # the session stayed on its engine
 
 
+# --- late answers: an engine vLLM pauses (or resumes) after gymproxy gave up on the call ------------
+
+
+def late(fake: FakeVLLM, route: str, *delays: float) -> asyncio.Event:
+    """`route` (/pause or /resume) answers `delays[i]` seconds late the i-th time, and is carried out
+    even when gymproxy gave up on it, as vLLM does (uvicorn does not stop a handler whose client left).
+    The event is set each time a late one was carried out."""
+    pending = list(delays)
+    carried = asyncio.Event()
+
+    @web.middleware
+    async def answer_late(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != route or not pending:
+            return await handler(request)
+        delay = pending.pop(0)
+
+        async def later() -> web.StreamResponse:
+            await asyncio.sleep(delay)
+            try:
+                return await handler(request)
+            finally:
+                carried.set()
+
+        return await asyncio.shield(asyncio.ensure_future(later()))
+
+    fake.app.middlewares.append(answer_late)
+    return carried
+
+
+def stuck(fake: FakeVLLM) -> asyncio.Event:
+    """Every request waits (and is carried out, even if its client left) until the event is set."""
+    unstuck = asyncio.Event()
+
+    @web.middleware
+    async def wait(request: web.Request, handler: Any) -> web.StreamResponse:
+        async def later() -> web.StreamResponse:
+            await unstuck.wait()
+            return await handler(request)
+
+        return await asyncio.shield(asyncio.ensure_future(later()))
+
+    fake.app.middlewares.append(wait)
+    return unstuck
+
+
+async def serving(aiohttp_server: Any, fake: FakeVLLM) -> FakeVLLM:
+    server = await aiohttp_server(fake.app)
+    fake.url = str(server.make_url("/v1"))
+    return fake
+
+
+async def status_of(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/fleet/status") as r:
+        assert r.status == 200
+        state: dict[str, Any] = await r.json()
+        return state
+
+
+async def test_an_engine_that_pauses_after_the_barrier_gave_up_is_resumed_once_it_answers(aiohttp_server):
+    """The red team's case: one engine answers /pause 1 s late, past a 0.3 s barrier, and (as vLLM
+    would) pauses all the same. It is not left paused while the fleet is not: gymproxy follows its
+    /pause, resumes it once it answers, and /fleet/status says so meanwhile. Every session after is
+    served at once (before, a third of them waited out `hold.timeout_s` for a 503)."""
+    fakes = await engines(aiohttp_server, 2, paused_503=True)
+    slow = FakeVLLM(dev_mode=True, paused_503=True)
+    paused_late = late(slow, "/pause", 1.0)
+    fakes.insert(1, await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"timeout_s": 3, "poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        status, failed, _ = await post(session, url + "/fleet/pause?mode=abort")
+        assert status == 502 and failed["error"]["code"] == "pause_failed"
+        following = await status_of(session, url)
+        await asyncio.wait_for(paused_late.wait(), 5)  # the engine paused after the barrier gave up
+        assert await eventually(lambda: slow.pause_mode is None, seconds=3), "left paused"
+        started = asyncio.get_running_loop().time()
+        sessions = [turn(session, url, f"s{i}", headers={"X-Session-ID": f"s{i}"}) for i in range(12)]
+        replies = await asyncio.gather(*sessions)
+        took = asyncio.get_running_loop().time() - started
+        assert [r[0] for r in replies] == [200] * 12 and took < 2, (replies, took)
+        assert generations(slow) > 0  # its share of the sessions was served there
+        assert await eventually(lambda: not proxy.control.settle.names())
+        settled = await status_of(session, url)
+    by_url = {e["url"]: e for e in failed["engines"]}
+    assert "followed" in by_url[slow.url]["pending"], by_url[slow.url]
+    assert [by_url[f.url].get("resumed") for f in fakes] == [True, None, True]
+    assert following["paused"] is False and following["unsettled"] == [proxy.fleet.upstreams[1].name]
+    assert "still open" in following["engines"][1]["unsettled"]
+    assert settled["unsettled"] == [] and [e["paused"] for e in settled["engines"]] == [False] * 3
+
+
+async def test_a_second_pause_waits_for_the_late_one_and_the_engine_stays_paused_with_the_fleet(aiohttp_server):
+    """A second /fleet/pause while the first's /pause to an engine is still open: the new /pause goes
+    once the open one ended (never two at once), the barrier succeeds, and nothing resumes the engine."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 1.2)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        status, _, _ = await post(session, url + "/fleet/pause?mode=keep")
+        assert status == 502
+        status, body, _ = await post(session, url + "/fleet/pause?mode=keep")
+        assert status == 200 and body["paused"] is True, body
+        assert await eventually(lambda: not proxy.control.settle.names())
+        await asyncio.sleep(0.5)
+        assert [f.pause_mode for f in fakes] == ["keep", "keep"]  # the late /pause resumed nothing
+        state = await status_of(session, url)
+        assert state["paused"] and state["unsettled"] == [] and [e["paused"] for e in state["engines"]] == [True, True]
+        status, _, _ = await post(session, url + "/fleet/resume")
+        assert status == 200 and [f.pause_mode for f in fakes] == [None, None]
+
+
+async def test_a_resume_while_a_late_pause_is_open_leaves_no_engine_paused(aiohttp_server):
+    """/fleet/resume while a failed barrier's /pause is still open: that engine's /resume is not sent
+    ahead of it (the late pause would land after it and stick); it is resumed once the pause ends."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    paused_late = late(slow, "/pause", 1.0)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, url + "/fleet/pause"))[0] == 502
+        status, body, _ = await post(session, url + "/fleet/resume")
+        await asyncio.wait_for(paused_late.wait(), 5)
+        assert await eventually(lambda: slow.pause_mode is None, seconds=3), "left paused"
+        await asyncio.sleep(0.3)
+        assert slow.pause_mode is None and not proxy.fleet.holds.paused
+    assert status == 502, body
+    refused = next(e for e in body["engines"] if e["url"] == slow.url)
+    assert "still open" in refused["error"] and refused["pending"], refused
+    assert await eventually(lambda: not proxy.control.settle.names())
+
+
+async def test_a_late_resume_never_lands_after_the_next_pause(aiohttp_server):
+    """A /fleet/resume whose /resume to one engine answers late, then a /fleet/pause at once: the
+    engine's /pause waits for its open /resume, so the fleet is paused with every engine in it
+    (before, the late /resume landed after the /pause: that engine ran on while the fleet was paused)."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    resumed_late = late(slow, "/resume", 1.2)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, url + "/fleet/pause"))[0] == 200
+        status, resumed, _ = await post(session, url + "/fleet/resume")
+        assert status == 502
+        status, body, _ = await post(session, url + "/fleet/pause")
+        assert status == 200, body
+        await asyncio.wait_for(resumed_late.wait(), 5)
+        await asyncio.sleep(0.5)
+        assert [f.pause_mode for f in fakes] == ["abort", "abort"], "an engine runs while the fleet is paused"
+        state = await status_of(session, url)
+        assert state["paused"] and [e["paused"] for e in state["engines"]] == [True, True]
+    assert next(e for e in resumed["engines"] if e["url"] == slow.url)["pending"]
+    assert await eventually(lambda: not proxy.control.settle.names())
+
+
+async def test_an_engine_that_answers_nothing_for_a_while_is_resumed_once_it_answers(aiohttp_server):
+    """An engine that answers nothing at all (not /pause, not /is_paused) past the barrier and past
+    `fleet_control.follow_s`: gymproxy asks its /is_paused until it answers. When it comes back, the
+    /pause it took long ago is carried out (it pauses), and gymproxy resumes it."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    unstuck = stuck(slow)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server,
+        fakes,
+        fleet_control={"pause_timeout_s": 0.3, "follow_s": 0.3},
+        hold={"poll_s": 0.05},
+        health={"interval": 0.5, "timeout": 0.2},
+    )
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, url + "/fleet/pause")
+        assert status == 502
+        await asyncio.sleep(1.0)  # past follow_s: the /pause is closed, /is_paused asked
+        state = await status_of(session, url)
+        assert state["unsettled"] == [proxy.fleet.upstreams[1].name] and state["engines"][1]["paused"] is None
+        assert slow.pause_mode is None
+        unstuck.set()
+        assert await eventually(lambda: not proxy.control.settle.names(), seconds=5)
+        paths = [r.path for r in slow.requests]
+        assert "/resume" in paths[paths.index("/pause") :], paths  # its old /pause was carried out, then undone
+        assert [f.pause_mode for f in fakes] == [None, None] and not proxy.fleet.holds.paused
+
+
+async def test_a_trainer_that_leaves_mid_barrier_does_not_leave_the_fleet_half_paused(aiohttp_server):
+    """The trainer's client gives up on /fleet/pause before the barrier ends (its timeout is shorter):
+    the barrier runs to its end all the same, so it fails and resumes the engine that paused
+    (before, the handler was cancelled halfway: the gate stayed closed, one engine paused)."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 0.8)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.4}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await post(session, url + "/fleet/pause", timeout=aiohttp.ClientTimeout(total=0.1))
+        assert await eventually(lambda: not proxy.fleet.holds.paused, seconds=3)
+        assert await eventually(
+            lambda: [f.pause_mode for f in fakes] == [None, None] and not proxy.control.settle.names()
+        )
+        assert (await turn(session, url, "after"))[0] == 200
+
+
+async def test_a_shutdown_with_an_engine_unsettled_exits_and_names_it(aiohttp_server, tmp_path):
+    """`gymproxy serve` stopped while a failed barrier's /pause is still open: it exits at once (the
+    followed call is closed), and its log names the engine that may be left paused."""
+    from .served import Served
+
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 30.0)
+    fakes.append(await serving(aiohttp_server, slow))
+    config = {
+        "base_url": [f.url for f in fakes],
+        "access": {"fleet_control": True},
+        "fleet_control": {"pause_timeout_s": 0.3},
+        "shutdown_grace_s": 0.5,
+    }
+    async with Served(tmp_path, config) as served:
+        async with aiohttp.ClientSession() as session:
+            assert (await post(session, served.url + "/fleet/pause"))[0] == 502
+        served.terminate()
+        assert await served.wait(10) == 0
+    text = served.log_path.read_text()
+    assert f"stopping with upstream {slow.url} not settled" in text, text[-2000:]
+
+
 async def test_min_weight_version_holds_a_request_until_its_engine_has_it(aiohttp_server):
     fakes = await engines(aiohttp_server, 1)
     url, _ = await gymproxy_for(aiohttp_server, fakes, hold={"timeout_s": 1.0})
