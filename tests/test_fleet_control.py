@@ -8,17 +8,22 @@ The engines are fake vLLMs in dev mode (`VLLM_SERVER_DEV_MODE=1`), which pause a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
+import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from gymproxy.http1 import CONNECTING
 from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
-from .faults import eventually, start_proxy
+from .faults import connecting_to, enough_files, eventually, start_proxy
 
 CHAT = "/v1/chat/completions"
 KEY = "sk-trainer"
@@ -237,6 +242,161 @@ async def test_ten_thousand_requests_while_paused_hold_at_most_the_cap(aiohttp_s
     assert most <= 100 and holds.count == 0
     grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mb < 200, grown_mb
+
+
+def counted(text: str, name: str, **labels: str) -> float:
+    """The sum of metric `name`'s samples whose labels include `labels`, in a /metrics text."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+async def test_held_requests_leave_room_for_the_trainer_on_the_main_port(aiohttp_server, tmp_path):
+    """`gymproxy serve` with few files (a cap of 136 client connections), paused, and 200 requests:
+    held requests take half the cap at most, the rest get a 503 that closes their connection, and
+    the trainer's /fleet/status, /health, /metrics and /fleet/resume all get in on the main port.
+    (Before, the held requests filled the cap: the resume was refused, and every request ended 503.)"""
+    from .served import Served
+
+    fakes = await engines(aiohttp_server, 2)
+    config = {
+        "base_url": [f.url for f in fakes],
+        "access": {"fleet_control": True},
+        "pinning": {"secret": "s"},
+        "hold": {"timeout_s": 60},
+    }
+    async with Served(tmp_path, config, open_files=400) as served:
+        url = served.url
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as flood:
+            assert (await post(flood, url + "/fleet/pause"))[0] == 200
+
+            async def one(i: int) -> tuple[int, str, str]:
+                async with flood.post(url + CHAT, json=chat(f"flood {i}")) as r:
+                    body = await r.read()
+                    return r.status, r.headers.get("Connection", ""), body.decode(errors="replace")
+
+            replies = [asyncio.ensure_future(one(i)) for i in range(200)]
+            assert await eventually(lambda: sum(r.done() for r in replies) >= 64, seconds=20)
+            await asyncio.sleep(0.5)  # what is held is held
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as trainer:
+                for path in ("/fleet/status", "/health", "/metrics"):
+                    async with trainer.get(url + path) as r:
+                        assert r.status == 200, (path, await r.text())
+                        if path == "/metrics":
+                            assert counted(await r.text(), "gymproxy_held_requests") == 68
+                status, body, _ = await post(trainer, url + "/fleet/resume")
+                assert status == 200 and body["released"] == 68, body
+            done = await asyncio.wait_for(asyncio.gather(*replies), 30)
+        assert "hold.max_requests (10000) lowered to 68" in served.log, served.log[-2000:]
+    statuses = [r[0] for r in done]
+    assert statuses.count(200) == 68 and statuses.count(503) == 132, statuses
+    # Past the hold, a 503 that closes the connection; past the cap (the flood is larger), the listener's.
+    refused = [text for status, connection, text in done if status == 503 and connection == "close"]
+    full = [text for text in refused if "lowered to 68" in text and '"code":"paused"' in text]
+    assert len(refused) == 132 and full and all(t in full or "limits.max_client_connections" in t for t in refused)
+
+
+@contextlib.asynccontextmanager
+async def accepting_slowly(fake: FakeVLLM, backlog: int, per_tick: int, tick: float) -> AsyncIterator[FakeVLLM]:
+    """`fake` behind a listen backlog of `backlog`, accepting `per_tick` connections every `tick`
+    seconds: a busy engine, whose kernel drops SYNs (retried by the client after 1 s, then 2 s more)
+    while its accept queue is full."""
+    runner = web.AppRunner(fake.app, handler_cancellation=True)
+    await runner.setup()
+    assert runner.server is not None
+    server = runner.server
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def accept() -> None:
+        while True:
+            await asyncio.sleep(tick)
+            for _ in range(per_tick):
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                await loop.connect_accepted_socket(server, conn)
+
+    task = asyncio.ensure_future(accept())
+    fake.url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    try:
+        yield fake
+    finally:
+        task.cancel()
+        listener.close()
+        await runner.cleanup()
+
+
+async def test_a_resume_releases_hundreds_at_the_pace_the_engines_accept(tmp_path):
+    """600 requests held for two busy engines (a listen backlog of 64, 32 accepts every 0.5 s), then
+    one resume: gymproxy has at most `http1.CONNECTING` (32) connections opening to each engine at
+    once (the rest wait their turn), none times out (`timeouts.connect` 5 s: a SYN the kernel drops
+    at a full backlog is sent again after 1 s, then 2 s more), no breaker opens, and
+    every request is answered 200. (Before, all 600 connects went at once: hundreds of SYNs to each
+    engine, dropped at its full backlog and retried together: at scale, connect timeouts and
+    breakers, as the red team saw with 9,904 requests.)"""
+    from .served import Served
+
+    enough_files(4000)
+    if connecting_to(1) is None:
+        pytest.skip("needs Linux's /proc/net/tcp to see the connections opening")
+    async with contextlib.AsyncExitStack() as stack:
+        fakes = [
+            await stack.enter_async_context(accepting_slowly(FakeVLLM(dev_mode=True), 64, 32, 0.5)) for _ in range(2)
+        ]
+        ports = [int(f.url.rsplit(":", 1)[1].split("/")[0]) for f in fakes]
+        config = {
+            "base_url": [f.url for f in fakes],
+            "access": {"fleet_control": True},
+            "pinning": {"secret": "s"},
+            "health": {"interval": 60},
+            "timeouts": {"connect": 5.0},
+            "hold": {"timeout_s": 120},
+        }
+        served = await stack.enter_async_context(Served(tmp_path, config))
+        url = served.url
+        timeout = aiohttp.ClientTimeout(total=120)
+        connector = aiohttp.TCPConnector(limit=0)
+        session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector, timeout=timeout))
+        assert (await post(session, url + "/fleet/pause"))[0] == 200
+
+        async def one(i: int) -> int:
+            async with session.post(url + CHAT, json=chat(f"held {i}"), headers={"X-Session-ID": f"h{i}"}) as r:
+                await r.read()
+                return r.status
+
+        replies = [asyncio.ensure_future(one(i)) for i in range(600)]
+
+        async def held() -> float:
+            async with session.get(url + "/metrics") as r:
+                return counted(await r.text(), "gymproxy_held_requests")
+
+        for _ in range(300):
+            if await held() == 600:
+                break
+            await asyncio.sleep(0.1)
+        status, body, _ = await post(session, url + "/fleet/resume")
+        assert status == 200 and body["released"] == 600
+        most = [0, 0]
+        while not all(r.done() for r in replies):
+            most = [max(m, connecting_to(port) or 0) for m, port in zip(most, ports, strict=True)]
+            await asyncio.sleep(0.05)
+        statuses = await asyncio.gather(*replies)
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    assert max(most) <= CONNECTING, most
+    assert statuses == [200] * 600, {s: statuses.count(s) for s in set(statuses)}
+    timeouts = {k: counted(text, "gymproxy_retries_total", reason=k) for k in ("connect_timeout", "crowded")}
+    assert timeouts == {"connect_timeout": 0, "crowded": 0}, timeouts
+    assert counted(text, "gymproxy_upstream_breaker_opened_total") == 0
+    assert sum(generations(f) for f in fakes) == 600
 
 
 async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker(aiohttp_server):
