@@ -230,6 +230,9 @@ class FleetControl(Settings, frozen=True, kw_only=True):
     """The /fleet/* routes (`access.fleet_control`): each engine's time to answer."""
 
     pause_timeout_s: Seconds = 60.0  # /pause and /resume of each engine (the barrier)
+    # A /pause or /resume that missed pause_timeout_s is still open (vLLM carries it out all the
+    # same): it is followed this much longer, then the engine is settled (`settle.py`).
+    follow_s: Seconds = 600.0
     broadcast_timeout_s: Seconds = 600.0  # a broadcast route (a weight transfer may take minutes)
     max_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024  # each engine's answer kept
 

@@ -7,8 +7,13 @@
   request is held, not sent), then asks every engine `/pause?mode=...` at once, each within
   `fleet_control.pause_timeout_s`. When all answered 200 the fleet is paused. Otherwise the engines
   that did pause are resumed, the gate opens again, and the caller hears each engine's result (502):
-  the fleet is never left half paused.
+  the fleet is never left half paused. A /pause that did not answer in time is still open, and
+  vLLM may pause after the barrier gave up: it is followed, and the engine resumed once it answers
+  (`settle.py`), unless the fleet is paused again by then.
 - A resume asks every engine `/resume`, then opens the gate: what was held goes to its pinned engine.
+  An engine whose /resume failed is settled as well (resumed once it answers).
+- A pause or resume runs to its end even when its caller leaves (a trainer's client timeout): one
+  cut halfway would leave the fleet half paused.
 - A broadcast sends the trainer's body to one of vLLM's RL or dev routes (`ROUTES`) on every engine,
   each within `fleet_control.broadcast_timeout_s`. A successful `update_weight_version` (or
   `finish_weight_update` naming a version) sets that engine's weight version, which every reply it
@@ -26,7 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
@@ -37,11 +43,15 @@ from .config import Config
 from .errors import describe
 from .fleet import Fleet
 from .http1 import ClientError, ReplyTooLarge
+from .settle import Settle
 from .upstream import Upstream
 
 log = logging.getLogger("gymproxy")
 
+T = TypeVar("T")
+
 PAUSE_MODES = ("abort", "wait", "keep")
+SETTLED = frozenset({"pause", "resume"})  # control calls that are followed when late (`settle.py`)
 # vLLM's RL and dev routes a broadcast may reach (`VLLM_SERVER_DEV_MODE=1`), and the method each takes.
 ROUTES = {
     "init_weight_transfer_engine": "POST",
@@ -78,6 +88,7 @@ class Outcome(msgspec.Struct, omit_defaults=True):
     body: Any = None
     error: str | None = None
     resumed: bool | None = None  # a failed pause: whether this engine was resumed again
+    pending: str | None = None  # what gymproxy still does about this engine (`settle.py`)
 
     @property
     def ok(self) -> bool:
@@ -93,7 +104,18 @@ class Control:
         self.holds = fleet.holds
         self.lock = asyncio.Lock()
         self.version: str | None = None  # the fleet's weight version: the last one broadcast
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.settle = Settle(
+            lock=self.lock,
+            holds=self.holds,
+            ask=self._is_paused,
+            call=self._settle_call,
+            present=self._present,
+            release=fleet.engines.release,
+            follow_s=self.rules.follow_s,
+            poll_s=config.hold.poll_s,
+            most_s=config.health.interval,
+        )
         fleet.joining = self._joining
 
     def engines(self) -> list[Upstream]:
@@ -102,6 +124,13 @@ class Control:
 
     async def pause(self, mode: str, query: str) -> tuple[bool, list[Outcome]]:
         """The barrier (see the module docstring): (whether every engine paused, each one's answer)."""
+        return await self._whole(self._pause(mode, query))
+
+    async def resume(self) -> tuple[bool, list[Outcome], int]:
+        """Resume every engine, then release what was held: (all resumed, answers, released)."""
+        return await self._whole(self._resume())
+
+    async def _pause(self, mode: str, query: str) -> tuple[bool, list[Outcome]]:
         async with self.lock:
             was_paused = self.holds.paused
             self.holds.pause(mode)
@@ -120,17 +149,36 @@ class Control:
                 outcome.resumed = outcome.name in resumed
             self.holds.resume()
             self.fleet.engines.resume_all()
+            self._settle_failed(undone, "resume after the failed pause", paused=True)
             log.warning("fleet pause failed: %s; the engines that paused were resumed", failed)
             return False, outcomes
 
-    async def resume(self) -> tuple[bool, list[Outcome], int]:
-        """Resume every engine, then release what was held: (all resumed, answers, released)."""
+    async def _resume(self) -> tuple[bool, list[Outcome], int]:
         async with self.lock:
             outcomes = await self._each("POST", "resume", "", None)
             released = self.holds.resume()
             self.fleet.engines.resume_all()
+            self._settle_failed(outcomes, "resume", paused=None)
             log.info("fleet resumed: %d engines; %d held requests released", len(outcomes), released)
             return all(o.ok for o in outcomes), outcomes, released
+
+    async def _whole(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work`, run to its end even if the caller is cancelled (its client left)."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    def _settle_failed(self, outcomes: list[Outcome], what: str, *, paused: bool | None) -> None:
+        """Settle each engine whose `what` failed (one still open is followed already)."""
+        for outcome in outcomes:
+            if outcome.ok or outcome.pending is not None or (upstream := self.fleet.find(outcome.name)) is None:
+                continue
+            if upstream.closed is not None:
+                continue  # not serving: it gets nothing (its launcher restarts it, unpaused)
+            why = f"its /{what} failed ({outcome.error or outcome.status}): asked /is_paused until it answers"
+            outcome.pending = why
+            self.settle.watch(upstream, why, paused=paused)
 
     async def broadcast(self, route: str, method: str, body: bytes | None, query: str) -> tuple[bool, list[Outcome]]:
         """`route` on every engine with `body`: (every engine answered 2xx, each one's answer)."""
@@ -155,6 +203,7 @@ class Control:
         versions = await asyncio.gather(*(health.weight_version(client, u, timeout) for u in engines))
         states = {s["name"]: s["state"] for s in self.fleet.states()}
         rows = []
+        settle = self.settle
         for upstream, engine_paused, (answered, version) in zip(engines, paused, versions, strict=True):
             if answered:
                 self._learned(upstream, version)
@@ -163,7 +212,9 @@ class Control:
                     "name": upstream.name,
                     "url": upstream.url,
                     "state": "closed" if upstream.closed is not None else states.get(upstream.name, "healthy"),
-                    "paused": engine_paused,
+                    # what it says; when it cannot say, what gymproxy last knew of it while settling it
+                    "paused": settle.believed(upstream) if engine_paused is None else engine_paused,
+                    "unsettled": settle.why(upstream),  # why its pause may not be the fleet's, until it is
                     "weight_version": upstream.version,
                     "stale": upstream.stale,
                     "inflight": upstream.inflight,
@@ -176,6 +227,7 @@ class Control:
             "mode": self.holds.mode,
             "paused_for_s": None if since is None else round(time.monotonic() - since, 3),
             "held": self.holds.count,
+            "unsettled": settle.names(),
             "weight_version": self.version,
             "engines": rows,
         }
@@ -188,6 +240,7 @@ class Control:
     def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.settle.stop()
 
     # --- engines --------------------------------------------------------------------------------
 
@@ -210,27 +263,67 @@ class Control:
     async def _call(
         self, upstream: Upstream, method: str, route: str, query: str, body: bytes | None, timeout: float
     ) -> Outcome:
-        """One engine's answer; no failure escapes (it is the outcome's `error`)."""
+        """One engine's answer; no failure escapes (it is the outcome's `error`). A /pause or /resume
+        (`SETTLED`) waits for the one still open to that engine first, and one that does not answer
+        in time is not cancelled: it is followed (`settle.py`), and `pending` says so."""
         outcome = Outcome(name=upstream.name, url=upstream.url)
         if upstream.closed is not None:
             outcome.error = f"skipped: not serving ({upstream.closed})"
+            return outcome
+        settled = route in SETTLED
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if settled and not await self.settle.quiet(upstream, timeout):
+            outcome.error = f"not sent: its earlier control call is still open after {timeout:g} s"
+            outcome.pending = self.settle.why(upstream)
             return outcome
         url = upstream.root / route
         if query:
             url = URL(f"{url}?{query}", encoded=True)
         headers = upstream.json_headers if body is not None else upstream.headers
+        asking = asyncio.ensure_future(self._ask(method, url, headers, body))
         try:
-            outcome.status, outcome.body = await asyncio.wait_for(self._ask(method, url, headers, body), timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait((asking,), timeout=max(0.0, deadline - loop.time()))
+        except asyncio.CancelledError:  # the caller is gone (shutdown): the call is followed, or ends too
+            if settled and not asking.done():
+                self.settle.follow(upstream, asking, route, timeout)
+            else:
+                asking.cancel()
+            raise
+        if not asking.done():
             outcome.error = f"no answer from {route} within {timeout:g} s"
+            if settled:
+                outcome.pending = self.settle.follow(upstream, asking, route, timeout)
+            else:
+                asking.cancel()
+            return outcome
+        try:
+            outcome.status, outcome.body = asking.result()
         except ReplyTooLarge:
             outcome.error = f"its answer was over {self.rules.max_reply_size} bytes (fleet_control.max_reply_size)"
         except ClientError as exc:
             outcome.error = f"{route} failed: {describe(exc)}"
         return outcome
 
+    # --- settling engines (settle.py) -----------------------------------------------------------
+
+    async def _is_paused(self, upstream: Upstream) -> bool | None:
+        return await health.is_paused(self.fleet.client, upstream, self.fleet.config.health.timeout)
+
+    async def _settle_call(self, upstream: Upstream, route: str, query: str) -> bool:
+        outcome = await self._call(upstream, "POST", route, query, None, self.rules.pause_timeout_s)
+        if not outcome.ok:
+            log.warning(
+                "upstream %s: /%s to settle it failed: %s", upstream.url, route, outcome.error or outcome.status
+            )
+        return outcome.ok
+
+    def _present(self, upstream: Upstream) -> bool:
+        """Still an engine of the fleet, open, and gymproxy not stopping."""
+        return upstream.closed is None and self.holds.ended is None and any(u is upstream for u in self.engines())
+
     async def _ask(self, method: str, url: URL, headers: dict[str, str], body: bytes | None) -> tuple[int, Any]:
-        reply = await self.fleet.client.request(method, url, headers, body, fresh=True)
+        reply = await self.fleet.client.request(method, url, headers, body, fresh=True, first=True)
         try:
             reply.limit(self.rules.max_reply_size)
             data = await reply.read()

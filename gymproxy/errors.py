@@ -21,6 +21,7 @@ GymproxyError                   500 server_error
     │   └── NotReady            (none is ready yet: launched replicas loading or restarting; with Retry-After)
     ├── Saturated               (an upstream is at its in-flight cap and `when_full` is `reject`)
     └── HoldOver                (held for a paused fleet or engine past `hold.*`; with Retry-After)
+        └── HoldFull            (not held: too many are; the connection is closed too)
 
 Handlers raise; `render` turns what they raise into a response. No traceback or Python repr ever reaches a client.
 A request aiohttp itself cannot parse is answered by aiohttp (400, 431); `MalformedRequests` keeps its
@@ -215,6 +216,11 @@ class HoldOver(Unavailable):
     retry_after = 1
 
 
+class HoldFull(HoldOver):
+    """Not held at all: too many requests are held already. Its connection is closed after the 503,
+    so the requests turned away keep no connection open while the held ones do."""
+
+
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _UNKNOWN = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
@@ -250,8 +256,10 @@ def render(exc: Exception, request: web.Request, envelope: Envelope | None = Non
     HTTP exceptions go on."""
     if isinstance(exc, GymproxyError):
         response = error_response(exc, envelope)
-        if isinstance(exc, BodyTimeout):
-            response.force_close()  # the rest of the body may still come: the connection is done
+        if isinstance(exc, (BodyTimeout, HoldFull)):
+            # BodyTimeout: the rest of the body may still come, the connection is done. HoldFull:
+            # connections are what a full hold is short of.
+            response.force_close()
         return response
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return error_response(PayloadTooLarge(exc.text or "request body too large", param=None), envelope)

@@ -610,7 +610,8 @@ class Fleet:
         yield (
             "gymproxy_retries_total",
             "counter",
-            "Requests re-sent, by reason (refused, connect_timeout, reset, closed, stale, busy, full; paused: "
+            "Requests re-sent, by reason (refused, connect_timeout, crowded: a connect timeout while the upstream took "
+            "others, reset, closed, stale, busy, full; paused: "
             "held for a paused engine and sent there again; abort: a whole reply a pause cut, sent again).",
             lambda: [(label(reason=reason), n) for reason, n in sorted(self.retries.items())],
         )

@@ -36,8 +36,9 @@ class _WeightInfo(msgspec.Struct):
 
 
 async def get(client: Client, upstream: Upstream, route: str, *, fresh: bool = False) -> tuple[int, bytes]:
-    """A GET of the fleet's own to one of `upstream.urls`: status and body."""
-    async with await client.request("GET", upstream.urls[route], upstream.headers, fresh=fresh) as reply:
+    """A GET of the fleet's own to one of `upstream.urls`: status and body. A new connection for it
+    opens ahead of the requests' (`first`): it asks about the engine, not gymproxy's queue."""
+    async with await client.request("GET", upstream.urls[route], upstream.headers, fresh=fresh, first=True) as reply:
         return reply.status, await reply.read()
 
 
@@ -62,7 +63,7 @@ async def gone(client: Client, upstream: Upstream, timeout: float) -> tuple[bool
     listener closes, and a connect in that moment still succeeds."""
     health = upstream.urls["health"]
     try:
-        reply = await asyncio.wait_for(client.request("GET", health, upstream.headers, fresh=True), timeout)
+        reply = await asyncio.wait_for(client.request("GET", health, upstream.headers, fresh=True, first=True), timeout)
     except Aborted:
         return True, None  # shutting down: the next send says so
     except CannotConnect as exc:

@@ -12,6 +12,15 @@ Replies are framed by `httptools.HttpResponseParser` (llhttp, strict mode), fed 
     finally:
         reply.release()                    # back to the pool if the body was read whole, else closed
 
+At most `CONNECTING` new connections are opened to one host at once, and none while one of them
+has been opening for `STALLED_S`; the others wait their turn (`first`: at the front), for as long
+as the host takes a connection every `connect_timeout` at least. A burst (thousands of requests a
+resume releases at once, or a cold start) then arrives at the rate the host accepts, instead of
+overflowing its listen backlog again and again: the kernel sends a dropped SYN again only after a
+second, then two more, then four, and a host that is up looks down. A `ConnectTimeout` says
+whether the host took another connection within `connect_timeout` of this one's start
+(`crowded`): then it is up, and busy accepting.
+
 Every failure is a `ClientError`: `CannotConnect` (the request was never sent), `ConnectTimeout` and
 `ReadTimeout` (both also `TimeoutError`s), `BadReply` (the connection broke or the upstream broke
 HTTP; `ReplyTooLarge` when its body passed the reader's limit), or the `Aborted` reason given to
@@ -28,6 +37,7 @@ limit is refused before a byte of it is waited for.
 from __future__ import annotations
 
 import asyncio
+import collections
 import select
 import ssl
 import sys
@@ -40,6 +50,14 @@ from yarl import URL
 
 MAX_HEAD = 64 * 1024  # status line and headers of one reply (trailers count too)
 HIGH_WATER = 256 * 1024  # unread body bytes buffered before the upstream is asked to pause
+# New connections opening at once to one host: well under the smallest listen backlog in use
+# (aiohttp's 128; uvicorn, which vLLM runs on, takes 2048), and enough for a fast host.
+CONNECTING = 32
+# A connection opening for longer than this is likely waiting on a SYN its host dropped (its listen
+# backlog was full; the kernel sends it again after a second): no new one starts until it is
+# through, so the room the host makes goes to the SYNs sent again, not to newer ones that would
+# have them dropped again.
+STALLED_S = 0.5
 NO_BODY_STATUSES = frozenset({204, 304})
 _POLL = getattr(select, "poll", None)
 
@@ -53,7 +71,12 @@ class CannotConnect(ClientError):
 
 
 class ConnectTimeout(ClientError, asyncio.TimeoutError):
-    """Opening the connection took longer than `connect_timeout`."""
+    """Opening the connection took longer than `connect_timeout`. `crowded`: the host took another
+    connection within `connect_timeout` of this one's start (it is up, and busy accepting)."""
+
+    def __init__(self, message: str, *, crowded: bool = False) -> None:
+        super().__init__(message)
+        self.crowded = crowded
 
 
 class ReadTimeout(ClientError, asyncio.TimeoutError):
@@ -495,6 +518,76 @@ class Reply:
         self.release()
 
 
+class _Opening:
+    """The connections being opened to one host: `CONNECTING` at most, the others wait in turn."""
+
+    __slots__ = ("count", "waiting", "accepted", "started", "loop")
+
+    def __init__(self) -> None:
+        self.count = 0  # turns taken: connections opening
+        self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()  # first come, first served
+        self.accepted = float("-inf")  # loop time of the last connection the host took
+        self.started: dict[object, float] = {}  # when each opening began, by its token
+        self.loop = asyncio.get_running_loop()
+
+    def free(self) -> bool:
+        """Whether a new opening may start now."""
+        if self.count >= CONNECTING:
+            return False
+        stalled = self.loop.time() - STALLED_S
+        return not any(began < stalled for began in self.started.values())
+
+    async def turn(self, token: object, timeout: float | None, first: bool) -> None:
+        """Wait for this host's next opening (`done(token)` hands it on), or a `TimeoutError` once
+        the host took no connection for `timeout` seconds; `first`: ahead of those waiting."""
+        loop = self.loop
+        if not self.waiting and self.free():
+            self.count += 1
+            self.started[token] = loop.time()
+            return
+        waiter = loop.create_future()
+        if first:
+            self.waiting.appendleft(waiter)
+        else:
+            self.waiting.append(waiter)  # one given up on is left there, and skipped
+        try:
+            since, wait = loop.time(), timeout
+            while not (await asyncio.wait((waiter,), timeout=wait))[0]:
+                if timeout is None or self.accepted <= since:
+                    raise asyncio.TimeoutError  # stalled: no connection taken all that time
+                since = self.accepted  # it moves: wait on, until a `timeout` with no progress
+                wait = max(0.0, since + timeout - loop.time())
+        except BaseException:
+            if not waiter.done():
+                waiter.cancel()
+            elif not waiter.cancelled():  # its turn came as it gave up: the next one takes it
+                self.count -= 1
+                self._hand_on()
+            raise
+        self.started[token] = loop.time()
+
+    def done(self, token: object, *, opened: bool) -> None:
+        """The opening of `token` ended (`opened`: with a connection): the next waiters' turn, as
+        far as `free` allows."""
+        del self.started[token]
+        if opened:
+            self.accepted = self.loop.time()
+        self.count -= 1
+        self._hand_on()
+
+    def idle(self) -> bool:
+        """Nothing opening, and nobody waiting to."""
+        return not self.count and all(waiter.done() for waiter in self.waiting)
+
+    def _hand_on(self) -> None:
+        waiting = self.waiting
+        while waiting and self.free():
+            waiter = waiting.popleft()
+            if not waiter.done():
+                self.count += 1
+                waiter.set_result(None)
+
+
 class Client:
     """Keep-alive connections per host, at most `limit` at once (0: no limit)."""
 
@@ -526,6 +619,7 @@ class Client:
         self._closed = False
         self._replies: set[Reply] = set()  # in progress: what `abort` ends
         self._aborted: Aborted | None = None
+        self._opening: dict[tuple[str, str, int], _Opening] = {}  # by host, while any opens
 
     async def request(
         self,
@@ -535,9 +629,10 @@ class Client:
         body: bytes | None = None,
         *,
         fresh: bool = False,
+        first: bool = False,
     ) -> Reply:
         """Send one request and read the reply's status line and headers (`fresh`: on a new connection,
-        not one from the pool)."""
+        not one from the pool; `first`: a new connection opens ahead of the others waiting to)."""
         if self._closed:
             raise CannotConnect("the client is closed")
         if self._aborted is not None:
@@ -548,7 +643,7 @@ class Client:
         if self._slots is not None:
             await self._slots.acquire()
         try:
-            conn = await self._connection(url, fresh)
+            conn = await self._connection(url, fresh, first)
         except BaseException:
             if self._slots is not None:
                 self._slots.release()
@@ -570,7 +665,7 @@ class Client:
             raise
         return reply
 
-    async def _connection(self, url: URL, fresh: bool = False) -> _Connection:
+    async def _connection(self, url: URL, fresh: bool = False, first: bool = False) -> _Connection:
         key = self._key(url)
         idle = None if fresh else self._idle.get(key)
         if idle:
@@ -589,16 +684,40 @@ class Client:
             tls = self._tls
         elif scheme != "http":
             raise CannotConnect(f"unsupported URL scheme {scheme!r} (http or https)")
-        opening = loop.create_connection(lambda: _Connection(loop, key), host, port, ssl=tls)
+        turns = self._opening.get(key)
+        if turns is None:
+            turns = self._opening[key] = _Opening()
+        timeout = self.connect_timeout
+        token = object()
         try:
-            if self.connect_timeout is None:
-                _, conn = await opening
-            else:
-                _, conn = await asyncio.wait_for(opening, self.connect_timeout)
+            await turns.turn(token, timeout, first)
         except asyncio.TimeoutError:
-            raise ConnectTimeout(f"could not connect to {host}:{port} within {self.connect_timeout:g} s") from None
+            raise ConnectTimeout(
+                f"could not connect to {host}:{port}: it took no new connection in {timeout:g} s, "
+                "and this one waited its turn to open"
+            ) from None
+        started = loop.time()
+        opened = False
+        try:
+            try:
+                opening = loop.create_connection(lambda: _Connection(loop, key), host, port, ssl=tls)
+                _, conn = await (opening if timeout is None else asyncio.wait_for(opening, timeout))
+                opened = True
+            finally:
+                turns.done(token, opened=opened)
+        except asyncio.TimeoutError:
+            assert timeout is not None
+            crowded = turns.accepted > started - timeout
+            raise ConnectTimeout(
+                f"could not connect to {host}:{port} within {timeout:g} s"
+                + (" (it took another connection in that time: busy accepting)" if crowded else ""),
+                crowded=crowded,
+            ) from None
         except OSError as exc:  # refused, unreachable, name not found, TLS failures
             raise CannotConnect(f"cannot connect to {host}:{port}: {exc}") from exc
+        finally:
+            if turns.idle() and self._opening.get(key) is turns:
+                del self._opening[key]
         return conn
 
     def abort(self, reason: Aborted) -> None:

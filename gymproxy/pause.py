@@ -9,8 +9,10 @@ Two kinds of pause, one set of bounds (`hold`):
   `/is_paused` is asked every `hold.poll_s` while anything waits on it, and is sent there again.
 
 At most `hold.max_requests` requests and `hold.max_bytes` of their bodies wait at once, and none
-waits past `hold.timeout_s`; past either, a 503 with `Retry-After` (`HoldOver`). A request waits on
-one event, with one timer: nothing else is kept per held request.
+waits past `hold.timeout_s`; past either, a 503 with `Retry-After` (`HoldOver`). A held request keeps
+its client's connection open, so `gymproxy serve` lowers that limit to a share of its connection cap
+(`Holds.share`): the trainer's /fleet/resume, and /health and /metrics, always find a connection.
+A request waits on one event, with one timer: nothing else is kept per held request.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .config import Hold
-from .errors import HoldOver, Unavailable
+from .errors import HoldFull, HoldOver, Unavailable
 from .metrics import Histogram
 
 log = logging.getLogger("gymproxy")
 
 Ask = Callable[[Any], Awaitable[bool | None]]  # is this engine paused? (None: cannot tell)
+# The share of a listener's connection cap that held requests may take (`Holds.share`): the rest
+# is for everything else, the trainer's /fleet/resume first.
+CONNECTION_SHARE = 0.5
 
 
 class Holds:
@@ -48,6 +53,25 @@ class Holds:
         self.since: float | None = None  # time.monotonic() when the fleet was paused
         self.pauses = pauses  # seconds the fleet was paused, by mode
         self.ended: str | None = None  # why nothing is held any more (shutting down)
+        self.most = rules.max_requests  # held at once: `hold.max_requests`, or less (`share`)
+        self._lowered = ""  # why `most` is below `hold.max_requests`, for the 503's message
+
+    def share(self, connections: int, setting: str) -> None:
+        """Hold at most `CONNECTION_SHARE` of the `connections` a listener takes (`setting` names its cap)."""
+        fraction = CONNECTION_SHARE
+        most = max(1, int(connections * fraction))
+        if most < self.most:
+            log.info(
+                "hold.max_requests (%d) lowered to %d: held requests keep their connections open, and may take "
+                "%d%% of the %d client connections (%s) at most, so /fleet/resume, /health and /metrics get in",
+                self.rules.max_requests,
+                most,
+                round(fraction * 100),
+                connections,
+                setting,
+            )
+            self.most = most
+            self._lowered = f", lowered to {most}: {round(fraction * 100)}% of {setting} ({connections})"
 
     def pause(self, mode: str) -> None:
         if not self.paused:
@@ -79,11 +103,11 @@ class Holds:
         rules = self.rules
         if self.ended is not None:
             raise Unavailable(self.ended)
-        if self.count >= rules.max_requests or self.bytes + size > rules.max_bytes:
+        if self.count >= self.most or self.bytes + size > rules.max_bytes:
             self.refused += 1
-            raise HoldOver(
-                f"{self.count} requests ({self.bytes} bytes) are held already while {what}: "
-                f"the most hold.max_requests ({rules.max_requests}) and hold.max_bytes ({rules.max_bytes}) allow"
+            raise HoldFull(
+                f"{self.count} requests ({self.bytes} bytes) are held already while {what}: the most "
+                f"hold.max_requests ({rules.max_requests}{self._lowered}) and hold.max_bytes ({rules.max_bytes}) allow"
             )
         remaining = until - asyncio.get_running_loop().time()
         self.count += 1
@@ -139,6 +163,12 @@ class Engines:
     async def paused(self, upstream: Any) -> bool:
         """Whether `upstream` says it is paused now (False when it cannot say)."""
         return await self.ask(upstream) is True
+
+    def release(self, upstream: Any) -> None:
+        """`upstream` was resumed (`settle.py`): what waits on it goes now."""
+        event = self._paused.pop(upstream.name, None)
+        if event is not None:
+            event.set()
 
     def resume_all(self) -> None:
         """Every engine was resumed (`/fleet/resume`): what waits on them goes now."""

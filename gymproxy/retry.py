@@ -6,6 +6,9 @@ until the engine resumes, probe whether the upstream is gone, hand vLLM's own an
 client, or give up. It opens no socket and reads no clock (the caller passes `now`), so each rule
 is tested alone (tests/test_retry_policy.py); `Fleet.send` carries the decisions out.
 
+- A connect timeout while the upstream took other connections (`crowded`: it waited behind a burst,
+  such as the requests a resume released) goes to the same upstream again, within
+  `retries.attempts` and `retries.deadline_s`, and never feeds its breaker: the upstream is up.
 - What no upstream began moves to the next upstream: a refused connection or connect timeout,
   vLLM's busy 503 (the round starts again once every upstream was busy), an upstream at its cap;
   within `retries.attempts` sends and `retries.deadline_s`, backing off when the same kind of
@@ -117,6 +120,12 @@ class Attempts:
         `full`: the upstream is at its cap); `fleet`: how many upstreams serve; `retry_after`: the
         503's own Retry-After; `gone`: for a drop, whether the upstream is gone (after PROBE)."""
         self.here = False
+        if kind == "crowded":
+            self.sends += 1
+            if self.sends >= self.budget.attempts or now > self.deadline:
+                return Decision(GIVE_UP, ABANDON)
+            self.here = True
+            return Decision(HERE, ABANDON)
         if kind == "paused":
             if now >= self.hold_until:
                 return Decision(ANSWER, ABANDON)
@@ -182,8 +191,8 @@ class Attempts:
 
 
 def failure_kind(exc: BaseException | None) -> str | None:
-    """How a request failed before any reply byte, or None (no retry). `refused` and
-    `connect_timeout`: it was never sent. `stale`, `closed` and `reset` (`DROPPED`): it was
+    """How a request failed before any reply byte, or None (no retry). `refused`, `connect_timeout`
+    and `crowded` (a connect timeout while the upstream took other connections): it was never sent. `stale`, `closed` and `reset` (`DROPPED`): it was
     written, and the connection ended; `Attempts` says what may go again."""
     if isinstance(exc, NoReply):
         # A pooled connection closed (a FIN, no reply): the upstream's idle close may have crossed
@@ -193,7 +202,7 @@ def failure_kind(exc: BaseException | None) -> str | None:
             return "reset"
         return "stale" if exc.reused else "closed"
     if isinstance(exc, ConnectTimeout):
-        return "connect_timeout"
+        return "crowded" if exc.crowded else "connect_timeout"
     if isinstance(exc, CannotConnect):
         return "refused"
     return None

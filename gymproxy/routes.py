@@ -400,7 +400,12 @@ async def fleet_pause(proxy: Proxy, request: web.Request, caller: Caller) -> web
     ok, outcomes = await control.pause(mode, rest)
     if ok:
         return _control_response({"paused": True, "mode": mode, "engines": outcomes})
-    return _control_failed("pause_failed", "not every engine paused; those that did were resumed", outcomes)
+    return _control_failed(
+        "pause_failed",
+        "not every engine paused; those that did were resumed, and one whose /pause is still open is resumed "
+        "once it answers (its `pending`)",
+        outcomes,
+    )
 
 
 async def fleet_resume(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:

@@ -166,6 +166,7 @@ async def _serve_app(
     timeout = config.limits.client_header_timeout
     cap = ConnectionCap(runner.server, connection_limit(config), header_timeout=timeout, end_stalled=end_stalled_body)
     proxy.connections = lambda: cap.open
+    proxy.fleet.holds.share(cap.limit, "limits.max_client_connections")
     listener = await loop.create_server(
         cap.protocol, config.host, config.port, backlog=config.limits.backlog, reuse_port=reuse_port or None
     )

@@ -16,11 +16,13 @@ import asyncio
 import collections
 import contextlib
 import re
+import resource
 import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -261,6 +263,26 @@ async def eventually(predicate: Callable[[], bool], seconds: float = 5.0, step: 
             return True
         await asyncio.sleep(step)
     return predicate()
+
+
+def enough_files(needed: int) -> None:
+    """Raise this process's open-file limit to `needed` (to its hard limit), or skip the test."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"needs {needed} open files; the hard limit here is {hard}")
+    if soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else hard, hard))
+
+
+def connecting_to(port: int) -> int | None:
+    """TCP connections to loopback `port` still opening (SYN sent, no answer yet), from any process
+    here (Linux's /proc/net/tcp); None where that cannot be read."""
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    state_syn_sent = "02"
+    return sum(1 for line in lines if (f := line.split())[3] == state_syn_sent and int(f[2].split(":")[1], 16) == port)
 
 
 def free_port() -> int:

@@ -8,17 +8,22 @@ The engines are fake vLLMs in dev mode (`VLLM_SERVER_DEV_MODE=1`), which pause a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
+import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from gymproxy.http1 import CONNECTING
 from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
-from .faults import eventually, start_proxy
+from .faults import connecting_to, enough_files, eventually, start_proxy
 
 CHAT = "/v1/chat/completions"
 KEY = "sk-trainer"
@@ -239,6 +244,161 @@ async def test_ten_thousand_requests_while_paused_hold_at_most_the_cap(aiohttp_s
     assert grown_mb < 200, grown_mb
 
 
+def counted(text: str, name: str, **labels: str) -> float:
+    """The sum of metric `name`'s samples whose labels include `labels`, in a /metrics text."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
+async def test_held_requests_leave_room_for_the_trainer_on_the_main_port(aiohttp_server, tmp_path):
+    """`gymproxy serve` with few files (a cap of 136 client connections), paused, and 200 requests:
+    held requests take half the cap at most, the rest get a 503 that closes their connection, and
+    the trainer's /fleet/status, /health, /metrics and /fleet/resume all get in on the main port.
+    (Before, the held requests filled the cap: the resume was refused, and every request ended 503.)"""
+    from .served import Served
+
+    fakes = await engines(aiohttp_server, 2)
+    config = {
+        "base_url": [f.url for f in fakes],
+        "access": {"fleet_control": True},
+        "pinning": {"secret": "s"},
+        "hold": {"timeout_s": 60},
+    }
+    async with Served(tmp_path, config, open_files=400) as served:
+        url = served.url
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as flood:
+            assert (await post(flood, url + "/fleet/pause"))[0] == 200
+
+            async def one(i: int) -> tuple[int, str, str]:
+                async with flood.post(url + CHAT, json=chat(f"flood {i}")) as r:
+                    body = await r.read()
+                    return r.status, r.headers.get("Connection", ""), body.decode(errors="replace")
+
+            replies = [asyncio.ensure_future(one(i)) for i in range(200)]
+            assert await eventually(lambda: sum(r.done() for r in replies) >= 64, seconds=20)
+            await asyncio.sleep(0.5)  # what is held is held
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as trainer:
+                for path in ("/fleet/status", "/health", "/metrics"):
+                    async with trainer.get(url + path) as r:
+                        assert r.status == 200, (path, await r.text())
+                        if path == "/metrics":
+                            assert counted(await r.text(), "gymproxy_held_requests") == 68
+                status, body, _ = await post(trainer, url + "/fleet/resume")
+                assert status == 200 and body["released"] == 68, body
+            done = await asyncio.wait_for(asyncio.gather(*replies), 30)
+        assert "hold.max_requests (10000) lowered to 68" in served.log, served.log[-2000:]
+    statuses = [r[0] for r in done]
+    assert statuses.count(200) == 68 and statuses.count(503) == 132, statuses
+    # Past the hold, a 503 that closes the connection; past the cap (the flood is larger), the listener's.
+    refused = [text for status, connection, text in done if status == 503 and connection == "close"]
+    full = [text for text in refused if "lowered to 68" in text and '"code":"paused"' in text]
+    assert len(refused) == 132 and full and all(t in full or "limits.max_client_connections" in t for t in refused)
+
+
+@contextlib.asynccontextmanager
+async def accepting_slowly(fake: FakeVLLM, backlog: int, per_tick: int, tick: float) -> AsyncIterator[FakeVLLM]:
+    """`fake` behind a listen backlog of `backlog`, accepting `per_tick` connections every `tick`
+    seconds: a busy engine, whose kernel drops SYNs (retried by the client after 1 s, then 2 s more)
+    while its accept queue is full."""
+    runner = web.AppRunner(fake.app, handler_cancellation=True)
+    await runner.setup()
+    assert runner.server is not None
+    server = runner.server
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def accept() -> None:
+        while True:
+            await asyncio.sleep(tick)
+            for _ in range(per_tick):
+                try:
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    break
+                await loop.connect_accepted_socket(server, conn)
+
+    task = asyncio.ensure_future(accept())
+    fake.url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+    try:
+        yield fake
+    finally:
+        task.cancel()
+        listener.close()
+        await runner.cleanup()
+
+
+async def test_a_resume_releases_hundreds_at_the_pace_the_engines_accept(tmp_path):
+    """600 requests held for two busy engines (a listen backlog of 64, 32 accepts every 0.5 s), then
+    one resume: gymproxy has at most `http1.CONNECTING` (32) connections opening to each engine at
+    once (the rest wait their turn), none times out (`timeouts.connect` 5 s: a SYN the kernel drops
+    at a full backlog is sent again after 1 s, then 2 s more), no breaker opens, and
+    every request is answered 200. (Before, all 600 connects went at once: hundreds of SYNs to each
+    engine, dropped at its full backlog and retried together: at scale, connect timeouts and
+    breakers, as the red team saw with 9,904 requests.)"""
+    from .served import Served
+
+    enough_files(4000)
+    if connecting_to(1) is None:
+        pytest.skip("needs Linux's /proc/net/tcp to see the connections opening")
+    async with contextlib.AsyncExitStack() as stack:
+        fakes = [
+            await stack.enter_async_context(accepting_slowly(FakeVLLM(dev_mode=True), 64, 32, 0.5)) for _ in range(2)
+        ]
+        ports = [int(f.url.rsplit(":", 1)[1].split("/")[0]) for f in fakes]
+        config = {
+            "base_url": [f.url for f in fakes],
+            "access": {"fleet_control": True},
+            "pinning": {"secret": "s"},
+            "health": {"interval": 60},
+            "timeouts": {"connect": 5.0},
+            "hold": {"timeout_s": 120},
+        }
+        served = await stack.enter_async_context(Served(tmp_path, config))
+        url = served.url
+        timeout = aiohttp.ClientTimeout(total=120)
+        connector = aiohttp.TCPConnector(limit=0)
+        session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector, timeout=timeout))
+        assert (await post(session, url + "/fleet/pause"))[0] == 200
+
+        async def one(i: int) -> int:
+            async with session.post(url + CHAT, json=chat(f"held {i}"), headers={"X-Session-ID": f"h{i}"}) as r:
+                await r.read()
+                return r.status
+
+        replies = [asyncio.ensure_future(one(i)) for i in range(600)]
+
+        async def held() -> float:
+            async with session.get(url + "/metrics") as r:
+                return counted(await r.text(), "gymproxy_held_requests")
+
+        for _ in range(300):
+            if await held() == 600:
+                break
+            await asyncio.sleep(0.1)
+        status, body, _ = await post(session, url + "/fleet/resume")
+        assert status == 200 and body["released"] == 600
+        most = [0, 0]
+        while not all(r.done() for r in replies):
+            most = [max(m, connecting_to(port) or 0) for m, port in zip(most, ports, strict=True)]
+            await asyncio.sleep(0.05)
+        statuses = await asyncio.gather(*replies)
+        async with session.get(url + "/metrics") as r:
+            text = await r.text()
+    assert max(most) <= CONNECTING, most
+    assert statuses == [200] * 600, {s: statuses.count(s) for s in set(statuses)}
+    timeouts = {k: counted(text, "gymproxy_retries_total", reason=k) for k in ("connect_timeout", "crowded")}
+    assert timeouts == {"connect_timeout": 0, "crowded": 0}, timeouts
+    assert counted(text, "gymproxy_upstream_breaker_opened_total") == 0
+    assert sum(generations(f) for f in fakes) == 600
+
+
 async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker(aiohttp_server):
     """The trainer pauses the engine itself (vLLM 0.33+ answers 503 "Generation is paused"): the
     request waits for that engine (its /is_paused polled) and is served there once it resumes; with
@@ -262,6 +422,245 @@ async def test_an_engine_paused_directly_holds_its_requests_and_opens_no_breaker
     assert sum(generations(f) for f in fakes) == generations(pinned)
     assert [u.breaker.opened for u in proxy.fleet.upstreams] == [0, 0]
     assert sum(proxy.fleet.pinner.moves.values()) == 0  # the session stayed on its engine
+
+
+# --- late answers: an engine vLLM pauses (or resumes) after gymproxy gave up on the call ------------
+
+
+def late(fake: FakeVLLM, route: str, *delays: float) -> asyncio.Event:
+    """`route` (/pause or /resume) answers `delays[i]` seconds late the i-th time, and is carried out
+    even when gymproxy gave up on it, as vLLM does (uvicorn does not stop a handler whose client left).
+    The event is set each time a late one was carried out."""
+    pending = list(delays)
+    carried = asyncio.Event()
+
+    @web.middleware
+    async def answer_late(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path != route or not pending:
+            return await handler(request)
+        delay = pending.pop(0)
+
+        async def later() -> web.StreamResponse:
+            await asyncio.sleep(delay)
+            try:
+                return await handler(request)
+            finally:
+                carried.set()
+
+        return await asyncio.shield(asyncio.ensure_future(later()))
+
+    fake.app.middlewares.append(answer_late)
+    return carried
+
+
+def stuck(fake: FakeVLLM) -> asyncio.Event:
+    """Every request waits (and is carried out, even if its client left) until the event is set."""
+    unstuck = asyncio.Event()
+
+    @web.middleware
+    async def wait(request: web.Request, handler: Any) -> web.StreamResponse:
+        async def later() -> web.StreamResponse:
+            await unstuck.wait()
+            return await handler(request)
+
+        return await asyncio.shield(asyncio.ensure_future(later()))
+
+    fake.app.middlewares.append(wait)
+    return unstuck
+
+
+async def serving(aiohttp_server: Any, fake: FakeVLLM) -> FakeVLLM:
+    server = await aiohttp_server(fake.app)
+    fake.url = str(server.make_url("/v1"))
+    return fake
+
+
+async def status_of(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url + "/fleet/status") as r:
+        assert r.status == 200
+        state: dict[str, Any] = await r.json()
+        return state
+
+
+async def test_an_engine_that_pauses_after_the_barrier_gave_up_is_resumed_once_it_answers(aiohttp_server):
+    """The red team's case: one engine answers /pause 1 s late, past a 0.3 s barrier, and (as vLLM
+    would) pauses all the same. It is not left paused while the fleet is not: gymproxy follows its
+    /pause, resumes it once it answers, and /fleet/status says so meanwhile. Every session after is
+    served at once (before, a third of them waited out `hold.timeout_s` for a 503)."""
+    fakes = await engines(aiohttp_server, 2, paused_503=True)
+    slow = FakeVLLM(dev_mode=True, paused_503=True)
+    paused_late = late(slow, "/pause", 1.0)
+    fakes.insert(1, await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"timeout_s": 3, "poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        status, failed, _ = await post(session, url + "/fleet/pause?mode=abort")
+        assert status == 502 and failed["error"]["code"] == "pause_failed"
+        following = await status_of(session, url)
+        await asyncio.wait_for(paused_late.wait(), 5)  # the engine paused after the barrier gave up
+        assert await eventually(lambda: slow.pause_mode is None, seconds=3), "left paused"
+        started = asyncio.get_running_loop().time()
+        sessions = [turn(session, url, f"s{i}", headers={"X-Session-ID": f"s{i}"}) for i in range(12)]
+        replies = await asyncio.gather(*sessions)
+        took = asyncio.get_running_loop().time() - started
+        assert [r[0] for r in replies] == [200] * 12 and took < 2, (replies, took)
+        assert generations(slow) > 0  # its share of the sessions was served there
+        assert await eventually(lambda: not proxy.control.settle.names())
+        settled = await status_of(session, url)
+    by_url = {e["url"]: e for e in failed["engines"]}
+    assert "followed" in by_url[slow.url]["pending"], by_url[slow.url]
+    assert [by_url[f.url].get("resumed") for f in fakes] == [True, None, True]
+    assert following["paused"] is False and following["unsettled"] == [proxy.fleet.upstreams[1].name]
+    assert "still open" in following["engines"][1]["unsettled"]
+    assert settled["unsettled"] == [] and [e["paused"] for e in settled["engines"]] == [False] * 3
+
+
+async def test_a_second_pause_waits_for_the_late_one_and_the_engine_stays_paused_with_the_fleet(aiohttp_server):
+    """A second /fleet/pause while the first's /pause to an engine is still open: the new /pause goes
+    once the open one ended (never two at once), the barrier succeeds, and nothing resumes the engine."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 1.2)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        status, _, _ = await post(session, url + "/fleet/pause?mode=keep")
+        assert status == 502
+        status, body, _ = await post(session, url + "/fleet/pause?mode=keep")
+        assert status == 200 and body["paused"] is True, body
+        assert await eventually(lambda: not proxy.control.settle.names())
+        await asyncio.sleep(0.5)
+        assert [f.pause_mode for f in fakes] == ["keep", "keep"]  # the late /pause resumed nothing
+        state = await status_of(session, url)
+        assert state["paused"] and state["unsettled"] == [] and [e["paused"] for e in state["engines"]] == [True, True]
+        status, _, _ = await post(session, url + "/fleet/resume")
+        assert status == 200 and [f.pause_mode for f in fakes] == [None, None]
+
+
+async def test_a_resume_while_a_late_pause_is_open_leaves_no_engine_paused(aiohttp_server):
+    """/fleet/resume while a failed barrier's /pause is still open: that engine's /resume is not sent
+    ahead of it (the late pause would land after it and stick); it is resumed once the pause ends."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    paused_late = late(slow, "/pause", 1.0)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, url + "/fleet/pause"))[0] == 502
+        status, body, _ = await post(session, url + "/fleet/resume")
+        await asyncio.wait_for(paused_late.wait(), 5)
+        assert await eventually(lambda: slow.pause_mode is None, seconds=3), "left paused"
+        await asyncio.sleep(0.3)
+        assert slow.pause_mode is None and not proxy.fleet.holds.paused
+    assert status == 502, body
+    refused = next(e for e in body["engines"] if e["url"] == slow.url)
+    assert "still open" in refused["error"] and refused["pending"], refused
+    assert await eventually(lambda: not proxy.control.settle.names())
+
+
+async def test_a_late_resume_never_lands_after_the_next_pause(aiohttp_server):
+    """A /fleet/resume whose /resume to one engine answers late, then a /fleet/pause at once: the
+    engine's /pause waits for its open /resume, so the fleet is paused with every engine in it
+    (before, the late /resume landed after the /pause: that engine ran on while the fleet was paused)."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    resumed_late = late(slow, "/resume", 1.2)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, url + "/fleet/pause"))[0] == 200
+        status, resumed, _ = await post(session, url + "/fleet/resume")
+        assert status == 502
+        status, body, _ = await post(session, url + "/fleet/pause")
+        assert status == 200, body
+        await asyncio.wait_for(resumed_late.wait(), 5)
+        await asyncio.sleep(0.5)
+        assert [f.pause_mode for f in fakes] == ["abort", "abort"], "an engine runs while the fleet is paused"
+        state = await status_of(session, url)
+        assert state["paused"] and [e["paused"] for e in state["engines"]] == [True, True]
+    assert next(e for e in resumed["engines"] if e["url"] == slow.url)["pending"]
+    assert await eventually(lambda: not proxy.control.settle.names())
+
+
+async def test_an_engine_that_answers_nothing_for_a_while_is_resumed_once_it_answers(aiohttp_server):
+    """An engine that answers nothing at all (not /pause, not /is_paused) past the barrier and past
+    `fleet_control.follow_s`: gymproxy asks its /is_paused until it answers. When it comes back, the
+    /pause it took long ago is carried out (it pauses), and gymproxy resumes it."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    unstuck = stuck(slow)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server,
+        fakes,
+        fleet_control={"pause_timeout_s": 0.3, "follow_s": 0.3},
+        hold={"poll_s": 0.05},
+        health={"interval": 0.5, "timeout": 0.2},
+    )
+    async with aiohttp.ClientSession() as session:
+        status, body, _ = await post(session, url + "/fleet/pause")
+        assert status == 502
+        await asyncio.sleep(1.0)  # past follow_s: the /pause is closed, /is_paused asked
+        state = await status_of(session, url)
+        assert state["unsettled"] == [proxy.fleet.upstreams[1].name] and state["engines"][1]["paused"] is None
+        assert slow.pause_mode is None
+        unstuck.set()
+        assert await eventually(lambda: not proxy.control.settle.names(), seconds=5)
+        paths = [r.path for r in slow.requests]
+        assert "/resume" in paths[paths.index("/pause") :], paths  # its old /pause was carried out, then undone
+        assert [f.pause_mode for f in fakes] == [None, None] and not proxy.fleet.holds.paused
+
+
+async def test_a_trainer_that_leaves_mid_barrier_does_not_leave_the_fleet_half_paused(aiohttp_server):
+    """The trainer's client gives up on /fleet/pause before the barrier ends (its timeout is shorter):
+    the barrier runs to its end all the same, so it fails and resumes the engine that paused
+    (before, the handler was cancelled halfway: the gate stayed closed, one engine paused)."""
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 0.8)
+    fakes.append(await serving(aiohttp_server, slow))
+    url, proxy = await gymproxy_for(
+        aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.4}, hold={"poll_s": 0.05}
+    )
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await post(session, url + "/fleet/pause", timeout=aiohttp.ClientTimeout(total=0.1))
+        assert await eventually(lambda: not proxy.fleet.holds.paused, seconds=3)
+        assert await eventually(
+            lambda: [f.pause_mode for f in fakes] == [None, None] and not proxy.control.settle.names()
+        )
+        assert (await turn(session, url, "after"))[0] == 200
+
+
+async def test_a_shutdown_with_an_engine_unsettled_exits_and_names_it(aiohttp_server, tmp_path):
+    """`gymproxy serve` stopped while a failed barrier's /pause is still open: it exits at once (the
+    followed call is closed), and its log names the engine that may be left paused."""
+    from .served import Served
+
+    fakes = await engines(aiohttp_server, 1)
+    slow = FakeVLLM(dev_mode=True)
+    late(slow, "/pause", 30.0)
+    fakes.append(await serving(aiohttp_server, slow))
+    config = {
+        "base_url": [f.url for f in fakes],
+        "access": {"fleet_control": True},
+        "fleet_control": {"pause_timeout_s": 0.3},
+        "shutdown_grace_s": 0.5,
+    }
+    async with Served(tmp_path, config) as served:
+        async with aiohttp.ClientSession() as session:
+            assert (await post(session, served.url + "/fleet/pause"))[0] == 502
+        served.terminate()
+        assert await served.wait(10) == 0
+    text = served.log_path.read_text()
+    assert f"stopping with upstream {slow.url} not settled" in text, text[-2000:]
 
 
 async def test_min_weight_version_holds_a_request_until_its_engine_has_it(aiohttp_server):

@@ -25,11 +25,13 @@ import pytest
 from yarl import URL
 
 from gymproxy.http1 import (
+    CONNECTING,
     HIGH_WATER,
     MAX_HEAD,
     BadReply,
     CannotConnect,
     Client,
+    ConnectTimeout,
     ReadTimeout,
     Reply,
     ReplyTooLarge,
@@ -38,6 +40,7 @@ from gymproxy.http1 import (
 from gymproxy.sse import DONE, SSEDecoder
 
 from .conftest import has_ipv6_loopback
+from .faults import connecting_to
 
 RECORDED = Path(__file__).parent / "data" / "http1"
 
@@ -660,6 +663,78 @@ async def test_limit_holds_requests_until_a_connection_is_free(new_client) -> No
         assert await asyncio.gather(*(one(server.url()) for _ in range(4))) == [b"{}"] * 4
         assert server.connections == 4  # `Connection: close` replies are never reused
     assert peak == 1
+
+
+def unaccepting(backlog: int) -> socket.socket:
+    """A listener that accepts nothing (yet): past its backlog, the kernel drops the SYNs that come."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(backlog)
+    listener.setblocking(False)
+    return listener
+
+
+async def test_new_connections_to_one_host_open_a_few_at_a_time(new_client) -> None:
+    """A burst of 100 requests to a host that accepts nothing yet (its backlog of 40 fills, then its
+    kernel drops the SYNs): at most `CONNECTING` connections are ever opening (before, all 100 sent
+    their SYN at once, and each was dropped again and again while the others retried with it). The
+    rest wait their turn, past `connect_timeout` while the host takes connections; one asked with
+    `first` goes ahead of them. Once the host accepts, every request is answered."""
+    if connecting_to(1) is None:
+        pytest.skip("needs Linux's /proc/net/tcp to see the connections opening")
+    client = new_client(connect_timeout=4.0)
+    listener = unaccepting(40)
+    port = listener.getsockname()[1]
+    url = URL(f"http://127.0.0.1:{port}/v1/models")
+    done: list[str] = []
+
+    async def one(name: str, first: bool = False) -> None:
+        reply = await client.request("GET", url, {}, first=first)
+        try:
+            assert await reply.read() == b"{}"
+        finally:
+            reply.release()
+        done.append(name)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(ok(b"{}", b"Connection: close\r\n"))
+        await writer.drain()
+        writer.close()
+
+    burst = [asyncio.ensure_future(one(f"r{i}")) for i in range(100)]
+    await asyncio.sleep(0.3)
+    ahead = asyncio.ensure_future(one("first", first=True))
+    most = 0
+    for _ in range(20):
+        most = max(most, connecting_to(port) or 0)
+        await asyncio.sleep(0.02)
+    assert 0 < most <= CONNECTING, most
+    server = await asyncio.start_server(serve, sock=listener)
+    try:
+        await asyncio.wait_for(asyncio.gather(*burst, ahead), 20)
+    finally:
+        server.close()
+    assert len(done) == 101 and done.index("first") < 80, done.index("first")
+
+
+async def test_waiting_to_connect_to_a_host_that_takes_nothing_times_out(new_client) -> None:
+    """A host that takes no connection at all: the requests waiting their turn to open one end with
+    a `ConnectTimeout` after `connect_timeout` with no progress, not one turn after another."""
+    client = new_client(connect_timeout=0.5, read_timeout=0.5)
+    listener = unaccepting(1)
+    url = URL(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/models")
+    started = time.monotonic()
+    try:
+        results = await asyncio.gather(*(client.request("GET", url, {}) for _ in range(100)), return_exceptions=True)
+    finally:
+        listener.close()
+    assert time.monotonic() - started < 3
+    unanswered = [r for r in results if isinstance(r, ReadTimeout)]  # the backlog's few, which the kernel took
+    failures = [r for r in results if not isinstance(r, ReadTimeout)]
+    assert len(unanswered) <= 2 and all(isinstance(f, ConnectTimeout) for f in failures), failures
+    waited = [f for f in failures if isinstance(f, ConnectTimeout) and "waited its turn" in str(f)]
+    assert waited and not any(f.crowded for f in waited)  # the host took nothing: it is not busy, it is down
 
 
 async def test_idle_connections_close_after_keepalive(new_client) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import time
 
 import aiohttp
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from gymproxy.testing.fake_vllm import FakeVLLM, Script
 
-from .faults import STATS, summary, survived
+from .faults import STATS, enough_files, summary, survived
 from .loadrun import run
 from .served import Served
 
@@ -152,21 +151,13 @@ async def test_streams_abandoned_under_serve_leave_nothing_behind(fake_vllm, tmp
     assert after["timers"] <= baseline["timers"] * 1.05 + 2, report
 
 
-def _enough_files(needed: int) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        pytest.skip(f"needs {needed} open files; the hard limit here is {hard}")
-    if soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else hard, hard))
-
-
 @pytest.mark.load
 @pytest.mark.parametrize("open_files", [None, 8192], ids=["default-limit", "8192-files"])
 async def test_stalled_request_bodies_do_not_stop_normal_requests(fake_vllm, tmp_path, open_files):
     """Thousands of connections send their request head, then nothing of the body (once they were
     kept for ever, and at the open-file limit nothing else was served and the upstream was marked
     down with 'Too many open files'). With 8192 files, the stalled connections outnumber them."""
-    _enough_files(STALLED + 1000)
+    enough_files(STALLED + 1000)
     config = {"base_url": fake_vllm.url, "health": {"interval": 1}, "limits": {"open_files": open_files or 65536}}
     async with Served(tmp_path, config, open_files=open_files) as served:
         head = b"POST /v1/responses HTTP/1.1\r\nHost: gymproxy\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
@@ -202,7 +193,7 @@ async def test_stalled_request_bodies_do_not_stop_normal_requests(fake_vllm, tmp
 async def test_a_connection_storm_of_streams_is_served(tmp_path):
     """Thousands of streaming requests arrive at once (once, with a listen backlog of 128, hundreds
     of them got no reply within a minute)."""
-    _enough_files(2 * STORM + 1000)
+    enough_files(2 * STORM + 1000)
     # The fake vLLM gets the same storm from gymproxy: it needs a deep backlog too (aiohttp's test
     # server listens with 128).
     fake = FakeVLLM()

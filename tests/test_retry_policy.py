@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gymproxy.config import Retries
+from gymproxy.http1 import ConnectTimeout
 from gymproxy.retry import (
     ABANDON,
     ANSWER,
@@ -22,6 +23,7 @@ from gymproxy.retry import (
     STILL_UP,
     Attempts,
     abort_resend,
+    failure_kind,
 )
 
 BUDGET = Retries(attempts=3, deadline_s=30.0, backoff_s=0.25, backoff_max_s=4.0)
@@ -60,6 +62,19 @@ def test_a_refused_connection_moves_and_gives_up_when_every_upstream_refused():
     assert tries.decide("a", "refused", fleet=2, now=0.0).action == MOVE
     assert tries.reason == "down"
     assert tries.decide("b", "refused", fleet=2, now=0.0).action == GIVE_UP
+
+
+def test_a_connect_timeout_while_the_upstream_takes_others_stays_there_and_never_feeds_its_breaker():
+    """`crowded`: the upstream took another connection meanwhile (a burst gymproxy sent it, such as
+    a resume's): it is up. The request goes to it again, within the budget; the breaker hears nothing."""
+    tries = attempts()
+    for _ in range(BUDGET.attempts - 1):
+        decision = tries.decide("a", "crowded", fleet=2, now=0.0)
+        assert (decision.action, decision.breaker) == (HERE, ABANDON) and tries.here and tries.tried == []
+    assert tries.decide("a", "crowded", fleet=2, now=0.0) == (GIVE_UP, ABANDON, 0.0, "")
+    assert attempts().decide("a", "crowded", fleet=2, now=31.0).action == GIVE_UP  # past retries.deadline_s
+    assert failure_kind(ConnectTimeout("busy accepting", crowded=True)) == "crowded"
+    assert failure_kind(ConnectTimeout("no answer")) == "connect_timeout"
 
 
 def test_a_stale_pooled_connection_goes_once_to_the_same_upstream_on_a_new_one():
