@@ -308,6 +308,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     # A request body with more JSON objects, arrays and strings than this gets a 413: it bounds
     # the memory and event-loop time its decode takes (the `{`, `[` and `"` pairs in it are counted).
     max_json_values: Annotated[int, msgspec.Meta(ge=1024)] = 250_000
+    # The same for its numbers, `true`, `false` and `null`, which cost less each (each `,` is counted:
+    # an array of n numbers holds n - 1). A prompt of 128k token ids holds 128k.
+    max_json_numbers: Annotated[int, msgspec.Meta(ge=1024)] = 500_000
 
 
 class Restart(Settings, frozen=True, kw_only=True):
@@ -422,8 +425,11 @@ class Config(Settings, frozen=True, kw_only=True):
     health: Health = Health()
     default_query: dict[str, str] = {}
     timeouts: Timeouts = Timeouts()
-    # Long multi-turn rollouts with images exceed aiohttp's 1 MiB default.
-    max_body_size: Annotated[int, msgspec.Meta(ge=1024)] = 32 * 1024 * 1024
+    # Agents' requests weigh a few hundred KB (tens of thousands of prompt tokens); rollouts with images
+    # need more than aiohttp's 1 MiB default. gymproxy decodes most bodies on its event loop, and
+    # encodes them again for vLLM: up to some 3 ms a MiB each (a string of escapes), so a body at
+    # this limit and at the JSON values' limits holds the loop some 25 ms a step.
+    max_body_size: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
     # Upstream connection pool: total connections across all upstreams (0 = no limit).
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
     # A `: keep-alive` comment is sent on a stream after this much upstream silence.

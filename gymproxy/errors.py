@@ -254,15 +254,15 @@ def describe(exc: BaseException) -> str:
 def render(exc: Exception, request: web.Request, envelope: Envelope | None = None) -> web.Response:
     """Any error a handler raised, as an error response (OpenAI's body, or `envelope`'s); aiohttp's own
     HTTP exceptions go on."""
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        exc = PayloadTooLarge(exc.text or "request body too large", param=None)
     if isinstance(exc, GymproxyError):
         response = error_response(exc, envelope)
-        if isinstance(exc, (BodyTimeout, HoldFull)):
-            # BodyTimeout: the rest of the body may still come, the connection is done. HoldFull:
-            # connections are what a full hold is short of.
-            response.force_close()
+        if isinstance(exc, PayloadTooLarge | BodyTimeout):
+            _end_connection(request, response)  # the rest of the body may still come
+        elif isinstance(exc, HoldFull):
+            response.force_close()  # connections are what a full hold is short of
         return response
-    if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return error_response(PayloadTooLarge(exc.text or "request body too large", param=None), envelope)
     if isinstance(exc, web.HTTPException):
         raise exc
     if isinstance(exc, RecursionError):  # only client JSON nests deep enough to exhaust the stack
@@ -270,6 +270,16 @@ def render(exc: Exception, request: web.Request, envelope: Envelope | None = Non
     # A bug in gymproxy: log it whole, tell the client only that it happened.
     log.error("unhandled error in %s %s", request.method, request.path, exc_info=exc)
     return error_response(GymproxyError("internal error in gymproxy (see its log)"), envelope)
+
+
+def _end_connection(request: web.Request, response: web.Response) -> None:
+    """A body refused before its end: the connection ends after `response` (`Connection: close`),
+    and what more of the body arrives is dropped as it comes, never parsed. aiohttp would read it
+    to its end first (its lingering close), inflating a compressed one on the event loop in one go;
+    its lingering still waits (up to 10 s) for the client to stop sending, so the client can read
+    the error before the connection closes."""
+    response.force_close()
+    request.protocol.close()
 
 
 def error_response(exc: GymproxyError, envelope: Envelope | None = None) -> web.Response:

@@ -8,7 +8,8 @@ leaves). On top of that:
 
 - `prepare` checks that the body is one JSON object, and with `model` configured makes it the
   body's top-level `model` (Claude Code asks for Claude models that vLLM does not serve). A body
-  whose first key is `model`, as the SDKs write it, is edited in place; any other is re-encoded.
+  whose first key is `model`, as the SDKs write it, is edited in place; any other is re-encoded
+  with its other members copied as they are (never decoded).
   It also returns `metadata.user_id`, the Messages API's `user`, which may key the session.
 - `upstream_headers`: the client's `anthropic-*` headers (`anthropic-version`, `anthropic-beta`)
   go upstream, if they are printable ASCII and at most `MAX_FORWARDED` of them with
@@ -67,6 +68,8 @@ class _View(msgspec.Struct):
 
 
 _VIEW: Final = msgspec.json.Decoder(_View)
+# The body's top-level members, their values left as they are (skipped over, never built).
+_MEMBERS: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
@@ -80,10 +83,11 @@ def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
             body = b"".join((parts[: match.start("value")], value, parts[match.end("value") :]))
     view: _View = _decode(_VIEW.decode, body)
     if model is not None and view.model != model:
-        # The first key was not `model`, or a later duplicate wins in vLLM's parser: re-encode.
-        whole: dict[str, Any] = _decode(msgspec.json.decode, raw)
-        whole["model"] = model
-        body = ENCODER.encode(whole)
+        # The first key was not `model`, or a later duplicate wins in vLLM's parser: re-encode, the
+        # other members' values copied as they are.
+        members: dict[str, Any] = _decode(_MEMBERS.decode, raw)
+        members["model"] = msgspec.Raw(ENCODER.encode(model))
+        body = ENCODER.encode(members)
     metadata = view.metadata
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
     return body, user_id if isinstance(user_id, str) and user_id else None

@@ -89,6 +89,7 @@ LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _VERSION = re.compile(r"[!-~]{1,128}")
 MIN_VERSION = "X-Min-Weight-Version"
+BIG_BODY: Final = 1 << 20  # bytes: a body this large takes milliseconds to decode (`_let_others_run`)
 
 
 class Dialect(NamedTuple):
@@ -166,7 +167,9 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
 async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`POST /v1/responses`: convert to chat, call vLLM, convert the answer (or each chunk) back."""
     config = proxy.config
-    req = proxy.requests.decode(await read_body(request, config))
+    raw = await read_body(request, config)
+    req = proxy.requests.decode(raw)
+    await _let_others_run(raw)
     _add_key(caller, req.prompt_cache_key)
     _add_user(caller, req.user, config)
     stream = req.stream is True
@@ -193,7 +196,9 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
 async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`POST /v1/chat/completions`: vLLM's own API, with the boundary rules and reasoning folding."""
     config = proxy.config
-    body = decode_chat(await read_body(request, config))
+    raw = await read_body(request, config)
+    body = decode_chat(raw)
+    await _let_others_run(raw)
     _add_user(caller, body.get("user"), config)
     stream = body.get("stream") is True
     model = config.model if config.model is not None else body.get("model")
@@ -215,7 +220,9 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
 async def responses_native(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`POST /v1/responses` with `is_responses_native`: the upstream speaks Responses itself (spec 11)."""
     config = proxy.config
-    body = decode_object(await read_body(request, config))
+    raw = await read_body(request, config)
+    body = decode_object(raw)
+    await _let_others_run(raw)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be a JSON boolean", param="stream")
@@ -251,7 +258,9 @@ def anthropic(route: str) -> Route:
 
     async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
         config = proxy.config
-        body, user_id = messages.prepare(await read_body(request, config), config.model)
+        raw = await read_body(request, config)
+        body, user_id = messages.prepare(raw, config.model)
+        await _let_others_run(raw)
         _add_user(caller, user_id, config)
         if route == "messages" and (rollout := _rollout_of(proxy, caller)) is not None:
             return await captured_messages(proxy, request, caller, body, rollout)
@@ -277,6 +286,7 @@ async def captured_messages(
         req = MESSAGES_DECODER.decode(body)
     except msgspec.DecodeError as exc:
         raise from_validation(exc) from exc
+    await _let_others_run(body)
     caller.model = req.model
     exchange = Exchange(proxy, request, caller)
     merge = has_inline_system(req) and await _merges_inline_system(proxy, exchange, req.model)
@@ -600,23 +610,25 @@ def _add_user(caller: Caller, user: Any, config: Config) -> None:
 
 
 async def read_body(request: web.Request, config: Config) -> bytes:
-    """The request body, refusing (413) anything over `max_body_size` bytes (decoded) or holding more
-    JSON values than `limits.max_json_values` (`_JSONValues`), each as soon as it is known, and a body
-    that stops arriving for `limits.client_body_timeout` seconds (408)."""
+    """The request body, refusing (413) anything over `max_body_size` bytes (on the wire, or inflated
+    when compressed) or holding more JSON values than `limits.max_json_values` and
+    `limits.max_json_numbers` allow (`_JSONValues`), each as soon as it is known, and a body that
+    stops arriving for `limits.client_body_timeout` seconds (408). A refused body ends its
+    connection: what is left of it is never read, nor inflated (`errors.render`)."""
     limit = config.max_body_size
     content = request.content
     length = request.content_length
-    plain = length is not None and "Content-Encoding" not in request.headers
-    if plain and length is not None and length > limit:
+    compressed = "Content-Encoding" in request.headers
+    if length is not None and length > limit:
         raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit} (max_body_size)")
-    most = config.limits.max_json_values
+    limits = config.limits
     watch = None if content.is_eof() else _BodyWatch(content, config.limits.client_body_timeout)
     try:
-        if plain and length is not None and length <= most:  # too short to hold too many values
-            return await content.readexactly(length)
+        if not compressed and length is not None and length <= min(limits.max_json_values, limits.max_json_numbers):
+            return await content.readexactly(length)  # too short to hold too many values
         # Larger, chunked or compressed: the values (and, when Content-Length is not the size we get,
         # the bytes) are counted chunk by chunk as they arrive, so no count holds up the event loop.
-        values = _JSONValues(most)
+        values = _JSONValues(limits.max_json_values, limits.max_json_numbers)
         chunks = []
         size = 0
         async for chunk in content.iter_any():
@@ -625,6 +637,10 @@ async def read_body(request: web.Request, config: Config) -> bytes:
                 raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes (max_body_size)")
             values.count(chunk)
             chunks.append(chunk)
+            if compressed:
+                # aiohttp inflates the next piece while this one is taken, so the next read never
+                # waits: without this, a body that inflates well would be read in one go.
+                await asyncio.sleep(0)
         return b"".join(chunks)
     except _Stalled as exc:
         raise BodyTimeout(str(exc)) from None
@@ -638,36 +654,47 @@ async def read_body(request: web.Request, config: Config) -> bytes:
 
 
 class _JSONValues:
-    """Counts the JSON objects, arrays and strings of a body as it arrives, and refuses (413) a body
-    with more than `limit`: decoding costs memory and event-loop time per value, not per byte (a
-    32 MiB body of `{},{},...` decodes to over 1 GB, in seconds), and bodies are decoded on the loop.
+    """Counts the JSON values of a body as it arrives, and refuses (413) a body with more than the
+    limits: decoding costs memory and event-loop time per value, not per byte (a 32 MiB body of
+    `{},{},...` decodes to over 1 GB, in seconds; of `0,0,...`, to 450 MB), and bodies are decoded
+    on the loop.
 
-    Each `{`, `[` and pair of `"` counts, those inside strings too, so the count is an upper bound
-    and needs no parse: `bytes.translate` keeps just those bytes, at some 3 GB/s. Numbers, `true`,
-    `false` and `null` are left to `max_body_size`: none decodes to more than 9 times its bytes.
-    A body of at most `limit` bytes cannot hold more values than that, so it is not counted.
+    Objects, arrays and strings against `values`: each `{`, `[` and pair of `"`. Numbers, `true`,
+    `false` and `null` against `numbers`, which is higher (they cost less each, and a prompt of token
+    ids holds many): each `,` (every array item and object member after the first follows one).
+    Those inside strings count too, so the counts are upper bounds and need no parse:
+    `bytes.translate` keeps just those bytes, at some 3 GB/s. A body of at most the lower limit in
+    bytes cannot hold more values than that, so it is not counted.
     """
 
-    __slots__ = ("limit", "opens", "quotes")
+    __slots__ = ("values", "numbers", "opens", "quotes", "commas")
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, values: int, numbers: int) -> None:
+        self.values = values
+        self.numbers = numbers
         self.opens = 0  # `{` and `[`
         self.quotes = 0
+        self.commas = 0
 
     def count(self, chunk: bytes) -> None:
         marks = chunk.translate(None, _NOT_MARKS)
-        quotes = marks.count(b'"')
+        quotes, commas = marks.count(b'"'), marks.count(b",")
         self.quotes += quotes
-        self.opens += len(marks) - quotes
-        if self.opens + self.quotes // 2 > self.limit:
+        self.commas += commas
+        self.opens += len(marks) - quotes - commas
+        if self.opens + self.quotes // 2 > self.values:
             raise PayloadTooLarge(
-                f"the request body holds more JSON objects, arrays and strings than the limit of {self.limit} "
+                f"the request body holds more JSON objects, arrays and strings than the limit of {self.values} "
                 '(limits.max_json_values; each `{`, `[` and pair of `"` counts)'
+            )
+        if self.commas > self.numbers:
+            raise PayloadTooLarge(
+                f"the request body holds more JSON numbers (and true, false, null) than the limit of "
+                f"{self.numbers} (limits.max_json_numbers; each `,` counts)"
             )
 
 
-_NOT_MARKS: Final = bytes(sorted(set(range(256)) - set(b'{["')))  # what `_JSONValues.count` drops
+_NOT_MARKS: Final = bytes(sorted(set(range(256)) - set(b'{[",')))  # what `_JSONValues.count` drops
 
 
 class _Stalled(asyncio.TimeoutError):
@@ -745,6 +772,15 @@ def end_stalled_body(idle: float, looks: int = 4) -> bool:
         watch.expire("the request body stalled while gymproxy was at its limit of client connections")
         return True
     return False
+
+
+async def _let_others_run(raw: bytes) -> None:
+    """Between a big body's decode and what follows (its conversion, its encoding for vLLM): each is
+    one call that holds the event loop (tens of ms for a body at the limits), and back to back they
+    would add up. A short timer rather than `sleep(0)`: a request that arrived meanwhile needs a few
+    turns of the loop to be answered."""
+    if len(raw) >= BIG_BODY:
+        await asyncio.sleep(0.001)
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
