@@ -16,10 +16,11 @@ to its end is closed, which makes vLLM abort the generation: when the client lea
 fails, at shutdown.
 
 No upstream reply is held or passed on past its limit (`limits.max_reply_size`, and
-`limits.max_error_reply_size` for an error status): a whole reply, a relayed body, one event of a
-stream, and a Responses stream (its last events carry the whole reply, so it keeps a sixteenth of the
-limit in characters: `KEPT_SHARE`). Past it the client gets a 502 naming the upstream and the limit
-(a stream: its terminal event); a relayed body already begun is cut off.
+`limits.max_error_reply_size` for an error status): a whole reply, relayed or converted, one event
+of a converted stream, and a Responses stream (its last events carry the whole reply, so it keeps a
+sixteenth of the limit in characters: `KEPT_SHARE`). Past it the client gets a 502 naming the
+upstream and the limit (a stream: its terminal event), and no byte of the reply. A relayed event
+stream is passed on chunk by chunk whatever its length: it holds no more than a chunk at a time.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gymproxy")
 
 JSON = "application/json"
-WHOLE_REPLIES = frozenset({"completions", "chat", "responses"})  # relayed routes whose whole replies may be aborted
+# Relayed routes whose replies a pause may cut, and so are sent again (`_unless_aborted`).
+ABORTABLE = frozenset({"completions", "chat", "responses"})
 MAX_SESSION_ID = 256  # longer session keys are sent upstream as a digest
 
 # Upstream troubles after the status line: a stream is ended with its terminal error event.
@@ -491,7 +493,9 @@ class Exchange:
         headers: Mapping[str, str] | None = None,
         fail: Callable[[GymproxyError], bytes] | None = None,
     ) -> web.StreamResponse:
-        """Send `data` to the session's upstream and relay its status and body chunk by chunk.
+        """Send `data` to the session's upstream and relay its status and body: an event stream
+        chunk by chunk as it arrives (however long: each chunk is passed on as it comes), any other
+        reply read whole first.
 
         `query` and `headers` go upstream too (see `Fleet.send`). `fail` is the route's last event
         for a stream the upstream broke off: written when the stream is at an event boundary, so
@@ -502,21 +506,18 @@ class Exchange:
             self.caller.weights = sent.versions()
             if reply.status >= 400:  # read whole (it is small), so one over its limit is still a 502
                 return web.Response(status=reply.status, body=await read(reply), content_type=reply.content_type)
-            stream = reply.content_type == "text/event-stream"
-            if not stream:
-                self._limit(reply)
-                if route in WHOLE_REPLIES and reply.content_type == JSON:  # vLLM sends these whole, at the end
-                    payload = await read(reply)
-                    if ABORT in payload:
-                        sent, payload = await self._unless_aborted(sent, payload, route, data, method)
-                    self.caller.weights = sent.versions()
-                    whole = web.Response(status=sent.reply.status, body=payload, content_type=JSON)
-                    self.caller.stamp(whole)
-                    return whole
-            response = web.StreamResponse(status=reply.status)
-            response.content_type = reply.content_type
-            if stream:
-                response.headers.update(SSE_HEADERS)
+            if reply.content_type != "text/event-stream":
+                # vLLM sends a reply that is not a stream whole, at the end: read whole (within
+                # `limits.max_reply_size`) before anything goes out, one over the limit reaches the
+                # client as a 502 and nothing of it.
+                payload = await read(reply)
+                if route in ABORTABLE and reply.content_type == JSON and ABORT in payload:
+                    sent, payload = await self._unless_aborted(sent, payload, route, data, method)
+                self.caller.weights = sent.versions()
+                whole = web.Response(status=sent.reply.status, body=payload, content_type=sent.reply.content_type)
+                self.caller.stamp(whole)
+                return whole
+            response = web.StreamResponse(status=reply.status, headers=SSE_HEADERS)
             self.caller.stamp(response)
             await response.prepare(self.request)
             end = b"\n\n"  # the last bytes relayed: do they end an event?
@@ -525,9 +526,7 @@ class Exchange:
                     await response.write(chunk)
                     end = chunk[-4:] if len(chunk) >= 4 else (end + chunk)[-4:]
             except (asyncio.TimeoutError, ClientError) as exc:
-                if isinstance(exc, ReplyTooLarge):
-                    log.info("%s: the relayed body was cut off", too_large(reply, exc).message)
-                if fail is not None and stream and end.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                if fail is not None and end.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                     sent.close()
                     failure = (
                         Unavailable(str(exc))

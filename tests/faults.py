@@ -588,8 +588,10 @@ class RawUpstream:
         default: Behaviour = good,
         health_delay: float = 0.0,
         health: Behaviour = meta,
+        queued: tuple[str, ...] = ("/v1/chat/completions", "/v1/messages"),
     ) -> None:
         self.idle_close = idle_close
+        self.queued = queued  # the paths the queued behaviours answer (any other: `meta`)
         self.health_delay = health_delay  # seconds /health takes to answer (a loaded server)
         self.health = health  # how /health is answered (can be changed while it runs)
         self.default = default
@@ -647,7 +649,7 @@ class RawUpstream:
                 if req is None:
                     break
                 self.requests.append(req)
-                if not req.path.startswith(("/v1/chat/completions", "/v1/messages")):  # the probe, health checks
+                if not req.path.startswith(self.queued):  # the probe, health checks
                     behaviour: Behaviour = meta
                     if req.path.endswith("/health"):
                         await asyncio.sleep(self.health_delay)

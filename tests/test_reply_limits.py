@@ -4,12 +4,15 @@ RSS, and none of it reaches the client, which gets a 502 naming the upstream and
 
 The upstream is a raw-socket `RawUpstream` that writes its 200 MB lazily, 1 MiB at a time, for as
 long as gymproxy reads: every path that reads an upstream body whole (chat, Responses, a busy-shaped
-503, a 400), the relayed Messages route (an error, an announced length, a chunked body) and streams
-(one event that never ends, a Responses stream whose last event would carry it all).
+503, a 400), the relayed routes (an error, an announced length, a chunked body: a reply that is not
+an event stream is read whole before any of it is sent on) and streams (one event that never ends, a
+Responses stream whose last event would carry it all). A long relayed event stream of small events
+is a stream the client asked for, and passes whole.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,7 +26,7 @@ from .served import Served
 MiB = 1024 * 1024
 HUGE = 200 * 1000 * 1000  # what the upstream offers
 RSS_BOUND_MB = 64  # what one such reply may cost gymproxy
-MESSAGES = "/v1/messages"
+MESSAGES, COMPLETIONS = "/v1/messages", "/v1/completions"
 BUSY = b'{"error": {"message": "Please try again later or on a different instance ' + b" " * 1000
 
 
@@ -88,7 +91,7 @@ async def _exchange(
 ) -> tuple[Reply, bool, float]:
     """The reply, whether it was cut off, and the peak RSS growth (MB) of one `gymproxy serve`
     answering `body` from an upstream that answers with `offer`."""
-    upstream = await RawUpstream().start()
+    upstream = await RawUpstream(queued=(path.replace(RESPONSES, "/v1/chat/completions"),)).start()
     upstream.push(offer.behaviour())
     try:
         config = {"base_url": upstream.url, "limits": limits}
@@ -133,6 +136,16 @@ WHOLE = {
         {"model": "m", "max_tokens": 5, "messages": []},
         "limits.max_reply_size",
     ),
+    # Before, a chunked relayed body was sent on as it came, and cut off at the limit: 32 MiB of it
+    # reached the client first.
+    "relayed 200 chunked": (
+        Offer(),
+        MESSAGES,
+        {"model": "m", "max_tokens": 5, "messages": []},
+        "limits.max_reply_size",
+    ),
+    "completions 200 chunked": (Offer(), COMPLETIONS, {"model": "m", "prompt": "hi"}, "limits.max_reply_size"),
+    "tokenize 200 chunked": (Offer(), "/tokenize", {"model": "m", "prompt": "hi"}, "limits.max_reply_size"),
 }
 
 
@@ -148,15 +161,61 @@ async def test_a_200_mb_reply_is_a_502_and_costs_little(tmp_path, case: str) -> 
     assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
 
 
-async def test_a_relayed_body_past_the_limit_is_cut_off(tmp_path) -> None:
-    """A chunked body relayed as it arrives: the client has had part of it, so the only honest
-    ending is a cut connection (a Content-Length over the limit is a 502, above)."""
-    offer = Offer()
-    body = {"model": "m", "max_tokens": 5, "messages": []}
-    reply, cut, grown = await _exchange(tmp_path, offer, MESSAGES, body)
-    assert reply.status == 200 and cut
-    assert grown < RSS_BOUND_MB, f"{grown:.0f} MB of RSS for one reply"
-    assert offer.sent < 100 * 1000 * 1000, f"gymproxy read {offer.sent} bytes of it"
+async def test_concurrent_huge_replies_cost_at_most_the_limit_each(tmp_path) -> None:
+    """Replies held at once cost the limit each, at most: 4 of 200 MB at once (2 converted, 2
+    relayed), each a 502."""
+    offers = [Offer() for _ in range(4)]
+    upstream = await RawUpstream().start()
+    upstream.push(*(offer.behaviour() for offer in offers))
+    relayed = {"model": "m", "max_tokens": 5, "messages": []}
+    try:
+        async with Served(tmp_path, {"base_url": upstream.url}) as served:
+            before = await served.stats()
+            replies = await asyncio.gather(
+                *(_post(served.url, path, body) for path, body in [(CHAT, body_for(CHAT)), (MESSAGES, relayed)] * 2)
+            )
+            after = await served.stats()
+    finally:
+        await upstream.close()
+    grown = after["peak_rss_mb"] - before["rss_mb"]
+    print(f"4 replies of 200 MB at once: peak RSS +{grown:.0f} MB")
+    for reply, cut in replies:
+        assert reply.status == 502 and not cut and "limits.max_reply_size" in _message(reply.raw), reply.raw[:300]
+    assert grown < 4 * 16 + 16, f"{grown:.0f} MB of RSS for 4 replies"  # 16 MiB each at most, and the process's own
+    assert all(offer.sent < 100 * 1000 * 1000 for offer in offers)
+
+
+async def test_a_long_relayed_stream_of_small_events_passes_whole(tmp_path) -> None:
+    """A relayed event stream is passed on chunk by chunk, however long: 64 MB of small events (four
+    times the reply limit) reach the client whole, at a small cost."""
+    frames = (
+        b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"' + b"a" * 1000 + b'"}}\n\n'
+    )
+    total = 64 * 1000 * 1000
+
+    async def stream(conn: Conn, req: RawRequest) -> bool:
+        await conn.head(200, "text/event-stream")
+        piece = frames * (MiB // len(frames))
+        for _ in range(total // len(piece)):
+            await conn.chunk(piece)
+        await conn.end_chunks()
+        return True
+
+    upstream = await RawUpstream().start()
+    upstream.push(stream)
+    body = {"model": "m", "max_tokens": 5, "messages": [], "stream": True}
+    try:
+        async with Served(tmp_path, {"base_url": upstream.url}) as served:
+            before = await served.stats()
+            reply, cut = await _post(served.url, MESSAGES, body)
+            after = await served.stats()
+    finally:
+        await upstream.close()
+    grown = after["peak_rss_mb"] - before["rss_mb"]
+    piece = frames * (MiB // len(frames))
+    assert reply.status == 200 and not cut
+    assert reply.raw == piece * (total // len(piece))
+    assert grown < 16, f"{grown:.0f} MB of RSS for a stream"
 
 
 @pytest.mark.parametrize("path", [CHAT, RESPONSES])
