@@ -11,7 +11,7 @@ GymproxyError                   500 server_error
 ├── Forbidden                   403 invalid_request_error   (refused by config: `access.admin_fleet_changes`)
 ├── NotFound                    404 invalid_request_error   (no such upstream, on the admin routes)
 ├── Conflict                    409 invalid_request_error   (an upstream of that name exists)
-├── LoopDetected                508 server_error            (the request came back to the gymproxy that sent it)
+├── LoopDetected                508 server_error            (the request came back to a gymproxy it went through)
 ├── UpstreamStatus              <upstream status>           (vLLM answered with an error)
 ├── UpstreamError               502 upstream_error          (vLLM is unreachable or broke the protocol)
 │   ├── NotConnected            502 upstream_error          (the connection never opened: safe to retry)
@@ -137,7 +137,7 @@ class Conflict(GymproxyError):
 
 
 class LoopDetected(GymproxyError):
-    """The request carries this gymproxy's own hop id: an upstream URL leads back to it (508)."""
+    """The request carries this gymproxy's own hop id (or came through too many): an upstream URL leads back (508)."""
 
     status = 508
     code = "loop_detected"

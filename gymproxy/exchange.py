@@ -119,6 +119,7 @@ class Caller:
         "outcome",
         "rollout",
         "recording",
+        "hops",
         "_pinning",
         "_signer",
         "_sid",
@@ -154,6 +155,7 @@ class Caller:
             None  # the rollout id it carries (`capture`); keys the session when nothing else does
         )
         self.recording: Recording | None = None  # its capture, when captured
+        self.hops: str | None = None  # the `X-Gymproxy-Hop` it goes upstream with, when it came through gymproxies
         self._pinning = pinning
         self._signer = signer
         self._sid: str | None = None
@@ -778,6 +780,7 @@ class Exchange:
             query=query,
             headers=headers,
             min_version=caller.min_version,
+            hops=caller.hops,
         )
         if sent.pin is not None:
             caller.pin = sent.pin
@@ -865,7 +868,12 @@ class Exchange:
             data = ENCODER.encode(backend.tokenize_body())
             caller = self.caller
             status, payload = await self.fleet.call(
-                upstream, "tokenize", data, request_id=caller.request_id, session_id=caller.session_id()
+                upstream,
+                "tokenize",
+                data,
+                request_id=caller.request_id,
+                session_id=caller.session_id(),
+                hops=caller.hops,
             )
             if status != 200:
                 raise UpstreamError(f"the upstream's /tokenize answered {status}: {upstream_message(payload)}")

@@ -63,6 +63,7 @@ from .upstream import CLOSED, HALF_OPEN, OPEN, Sent, Tally, Upstream, read, show
 log = logging.getLogger("gymproxy")
 
 GENERATING = frozenset({"chat", "completions", "responses", "messages"})  # routes held while the fleet is paused
+HOP_HEADER = "X-Gymproxy-Hop"  # the gymproxies a request passed through (`proxy.hop_chain`)
 HEALTH_FAILURES = 2  # consecutive failed checks before an upstream is marked down
 DRAIN_POLL_S = 0.1  # how often a removed upstream's in-flight count is looked at until it is 0
 
@@ -232,6 +233,7 @@ class Fleet:
         query: str | None = None,
         headers: Mapping[str, str] | None = None,
         min_version: str | None = None,
+        hops: str | None = None,
     ) -> Sent:
         """Send to the session's upstream (by pin `cookie`, else session `key`, else placement) and read
         the reply's head, doing after each failure what `Attempts` decides (see `retry.py`).
@@ -243,10 +245,11 @@ class Fleet:
 
         `query` (already encoded) is added to the route's URL; `headers` go along, below the
         upstream's own (its key, `default_headers`), which they never replace. `session_id` goes as
-        `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`)."""
+        `X-Session-ID`; `sid` is the id a new pin carries (see `Pinner.pick`). `hops` replaces the
+        upstream's own `X-Gymproxy-Hop` (this gymproxy's id) for a request that came through others."""
         if self.upstreams and all(u.closed is not None for u in self.upstreams):
             raise self._not_ready()
-        extra = (query, headers, session_id)
+        extra = (query, headers, session_id, hops)
         loop = asyncio.get_running_loop()
         holds = self.holds
         single = len(self.upstreams) == 1  # nothing to choose, so nothing to pin, and nowhere to retry
@@ -357,9 +360,10 @@ class Fleet:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        hops: str | None = None,
     ) -> tuple[int, bytes]:
         """A follow-up call to the upstream a request already went to (e.g. /tokenize): status and body."""
-        reply = await self._attempt(upstream, route, data, "POST", request_id, session_id=session_id)
+        reply = await self._attempt(upstream, route, data, "POST", request_id, session_id=session_id, hops=hops)
         sent = Sent(upstream, reply, None, 0.0)
         try:
             return reply.status, await read(reply)
@@ -379,6 +383,7 @@ class Fleet:
         query: str | None = None,
         extra: Mapping[str, str] | None = None,
         session_id: str | None = None,
+        hops: str | None = None,
         *,
         fresh: bool = False,
     ) -> Reply:
@@ -403,6 +408,8 @@ class Fleet:
                 headers = {**headers, "X-Request-Id": request_id}
         elif session_id is not None:
             headers = {**headers, "X-Session-ID": session_id}
+        if hops is not None:
+            headers = {**headers, HOP_HEADER: hops}
         await upstream.acquire()
         try:
             reply = await self.client.request(method, url, headers, data, fresh=fresh)

@@ -1,12 +1,14 @@
 """One mounted gymproxy while it runs: its config made into rules once, the fleet, metrics, and the
 end of its upstream requests when a shutdown's grace is over (plugin.py keeps the time).
 
-Every upstream request carries `X-Gymproxy-Hop: <instance id>`; a request that arrives with this
-instance's own id has come back round (an upstream URL that leads to gymproxy itself) and is
-refused at once (`routes.bind`, 508), where it would otherwise multiply until something gave out.
-The id is random per process unless `$GYMPROXY_INSTANCE` gives one: `serve --workers N` sets it for
-its workers, so they are one instance; give every replica behind one Service the same to catch a
-loop through that Service too. Two instances chained on purpose have different ids and pass.
+Every upstream request carries `X-Gymproxy-Hop`: the ids of the gymproxies it came through, then
+this instance's own (`hop_chain`). A request that arrives with this instance's id among them has
+come back round (an upstream URL that leads to gymproxy itself, directly or through other
+gymproxies) and is refused at once (`routes.bind`, 508), where it would otherwise multiply until
+something gave out; so is one that came through `MAX_HOPS` of them. The id is random per process
+unless `$GYMPROXY_INSTANCE` gives one: `serve --workers N` sets it for its workers, so they are one
+instance; give every replica behind one Service the same to catch a loop through that Service too.
+Instances chained on purpose have different ids and pass.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from .config import Config, ConfigError, UpstreamSpec, dns_target, upstream_spec
 from .control import Control
 from .convert import boundary, completions
 from .convert.request import RequestReader
-from .fleet import Change, Fleet, Gauge
+from .errors import LoopDetected
+from .fleet import HOP_HEADER, Change, Fleet, Gauge
 from .http1 import Aborted
 from .metrics import Metrics, label
 from .overlay import Changes, Overlay
@@ -43,9 +46,10 @@ SHUTTING_DOWN = "gymproxy is shutting down"
 # What a reload applies live; any other key it changes is logged as needing a restart.
 LIVE_KEYS = ("base_url", "upstreams", "upstreams_dns", "upstreams_dns_interval_s")
 RESOLVE_TIMEOUT_S = 5.0  # an `upstreams_dns` round without an answer by then (or by the next) has failed
-HOP_HEADER = "X-Gymproxy-Hop"
 INSTANCE_ENV = "GYMPROXY_INSTANCE"
 _INSTANCE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_HOPS = 16  # gymproxies a request may come through: more is taken for a loop
+LOOP = f"this request came back to a gymproxy it went through ({HOP_HEADER}): an upstream URL leads back to it"
 
 
 def instance_id(environ: Mapping[str, str] = os.environ) -> str:
@@ -56,6 +60,21 @@ def instance_id(environ: Mapping[str, str] = os.environ) -> str:
     if given:
         log.warning("$%s is not 1 to 64 letters, digits, `.`, `_` or `-`: using a random instance id", INSTANCE_ENV)
     return secrets.token_hex(8)
+
+
+def hop_chain(values: list[str], instance: str) -> str | None:
+    """The `X-Gymproxy-Hop` a request goes upstream with: the ids it arrived with (the header's
+    values, comma-separated; what is not an instance id is dropped), then `instance`. None when it
+    arrived with none: the upstream's own header, `instance` alone, goes. Raises `LoopDetected` when
+    `instance` is among them, whatever came between, or when `MAX_HOPS` are there already."""
+    if not values:
+        return None
+    hops = [hop for value in values for part in value.split(",") if _INSTANCE.fullmatch(hop := part.strip())]
+    if instance in hops:
+        raise LoopDetected(LOOP)
+    if len(hops) >= MAX_HOPS:
+        raise LoopDetected(f"this request came through {len(hops)} gymproxies ({HOP_HEADER}); {MAX_HOPS} at most")
+    return ", ".join([*hops, instance])
 
 
 def rules(kind: type[R], config: Config) -> R:

@@ -16,7 +16,7 @@ POST /fleet/pause, /fleet/resume, POST|GET /fleet/broadcast/{route}, GET /fleet/
                             weight updates across the fleet (control.py; behind a key, `access.fleet_control`)
 GET  /, /healthz, /livez, /readyz   liveness: 200 while the process serves (NeMo Gym's probes)
 
-`bind` wraps every route: the loop check (`proxy.HOP_HEADER`), the inbound key check, the request
+`bind` wraps every route: the loop check (`proxy.hop_chain`), the inbound key check, the request
 id, the pin cookie read once, errors rendered, the response stamped (request id, new pin) and
 counted. A route's `Dialect` says which API's clients call it: where their key may come, and the
 envelope its errors are rendered in.
@@ -51,7 +51,6 @@ from .errors import (
     Envelope,
     Forbidden,
     Handler,
-    LoopDetected,
     NotFound,
     PayloadTooLarge,
     Unauthorized,
@@ -70,9 +69,10 @@ from .exchange import (
     MessagesAnswer,
     ResponsesAnswer,
 )
+from .fleet import HOP_HEADER
 from .ids import hex32
 from .pinning import read_cookie
-from .proxy import HOP_HEADER, Proxy
+from .proxy import Proxy, hop_chain
 from .rollouts.record import Rollout
 from .rollouts.store import Store
 from .rollouts.trajectory import view
@@ -84,7 +84,6 @@ from .upstream import Upstream, upstream_name
 Route = Callable[[Proxy, web.Request, Caller], Awaitable[web.StreamResponse]]
 
 TOO_DEEP = "the request body is nested too deeply"
-LOOP = f"this request came back to the gymproxy that sent it ({HOP_HEADER}): an upstream URL leads to gymproxy itself"
 LIVE = ENCODER.encode({"status": "ok"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _VERSION = re.compile(r"[!-~]{1,128}")
@@ -133,8 +132,7 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             signer,
         )
         try:
-            if headers.get(HOP_HEADER) == instance:
-                raise LoopDetected(LOOP)
+            caller.hops = hop_chain(headers.getall(HOP_HEADER, []), instance)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
             if control and (least := headers.get(MIN_VERSION)) is not None:

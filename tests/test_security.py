@@ -9,6 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
+from gymproxy.errors import LoopDetected
+from gymproxy.proxy import MAX_HOPS, hop_chain
 from gymproxy.testing.fake_vllm import Script
 
 from .served import Served, free_port
@@ -227,7 +229,43 @@ async def test_two_gymproxies_chained_on_purpose_still_work(fake_vllm, tmp_path)
         async with Served(tmp_path, {"base_url": [inner.url + "/v1"]}) as outer:
             for _ in range(3):
                 assert (await call(outer.url))[0] == 200
-    assert len([r for r in fake_vllm.requests if r.path == "/v1/chat/completions"]) == 3
+    chat = [r for r in fake_vllm.requests if r.path == "/v1/chat/completions"]
+    assert len(chat) == 3
+    hops = [h.split(", ") for r in chat for name, h in r.headers.items() if name.lower() == "x-gymproxy-hop"]
+    assert len(hops) == 3 and all(len(h) == 2 and h[0] != h[1] for h in hops), hops  # each appended its own
+
+
+async def test_a_loop_through_two_gymproxies_ends_at_once(tmp_path):
+    """A to B to A: each gymproxy appends its id to the hop header, so A finds its own on the way
+    back in, whatever came between (before, B replaced it, and 3 requests made some 34,400 sends
+    on each over 37 s)."""
+    a, b = free_port(), free_port()
+    health = {"interval": 3600}
+    async with Served(tmp_path, {"port": a, "base_url": [f"http://127.0.0.1:{b}/v1"], "health": health}) as first:
+        async with Served(tmp_path, {"port": b, "base_url": [f"http://127.0.0.1:{a}/v1"], "health": health}) as second:
+            for _ in range(3):
+                status, _, body = await call(first.url)
+                assert status == 508 and "came back to a gymproxy it went through" in body.decode(), body
+            chat = [await chat_requests(first.url), await chat_requests(second.url)]
+    assert chat == [6, 3]  # A: 3 from the client, 3 back from B; B: 3 from A
+
+
+async def chat_requests(url: str) -> float:
+    metrics = (await call(url, "/metrics", None))[2].decode()
+    chat = [line for line in metrics.splitlines() if line.startswith('gymproxy_requests_total{route="/v1/chat')]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in chat)
+
+
+def test_the_hop_header_is_appended_and_bounded():
+    assert hop_chain([], "me") is None  # from no gymproxy: the upstream's own header, "me" alone, goes
+    assert hop_chain(["a, b", "c"], "me") == "a, b, c, me"
+    assert hop_chain(["a,, not an id!, " + "x" * 65 + ", b"], "me") == "a, b, me"  # not ids: dropped
+    for given in (["me"], ["a, me, b"], ["a", " me "]):
+        with pytest.raises(LoopDetected, match="came back to a gymproxy it went through"):
+            hop_chain(given, "me")
+    assert hop_chain([", ".join(f"g{i}" for i in range(MAX_HOPS - 1))], "me").endswith(", me")
+    with pytest.raises(LoopDetected, match=f"came through {MAX_HOPS} gymproxies"):
+        hop_chain([", ".join(f"g{i}" for i in range(MAX_HOPS))], "me")
 
 
 async def until_logged(served: Served, text: str, count: int) -> None:
