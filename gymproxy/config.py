@@ -88,8 +88,8 @@ class BadUpstream(ValueError):
 
 def check_upstream(spec: UpstreamSpec) -> None:
     """Raise `BadUpstream` unless `spec` can be built into an upstream and is safe to keep: an
-    http(s) URL with a host and a port in 1..65535, a name of URL characters, a key that is one
-    header value, a weight in (0, MAX_WEIGHT]; every length bounded."""
+    http(s) URL with a host, a port in 1..65535 and no query or fragment, a name of URL characters,
+    a key that is one header value, a weight in (0, MAX_WEIGHT]; every length bounded."""
     _check_url(spec.url)
     name = spec.name
     if name is not None and (len(name) > MAX_NAME or not _NAME.fullmatch(name)):
@@ -120,6 +120,13 @@ def _check_url(url: str) -> None:
         raise BadUpstream("url", f"url {seen!r} cannot be used: {exc}") from None
     if parsed.scheme not in ("http", "https"):
         raise BadUpstream("url", f"url {seen!r} must start with http:// or https://")
+    if "#" in url:
+        raise BadUpstream("url", f"url {seen!r} has a fragment (`#...`): a base URL has none (it is never sent)")
+    if "?" in url:
+        raise BadUpstream(
+            "url",
+            f"url {seen!r} has a query string: a base URL has none; give it as `default_query` (sent on every request)",
+        )
     if not host:
         raise BadUpstream("url", f"url {seen!r} has no host")
     if ":" in host:  # an IPv6 literal, perhaps with a zone (`fe80::1%eth0`)
@@ -771,7 +778,15 @@ def _validated(
         except OSError as exc:
             problems.append(Problem("access.api_keys_file", f"cannot read {config.access.api_keys_file}: {exc}"))
             lines = []
-        keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        keys = []
+        for number, line in enumerate(lines, 1):
+            key = line.strip()
+            if key and not key.startswith("#"):
+                if (wrong := _inbound_key_problem(key)) is not None:
+                    problems.append(
+                        Problem("access.api_keys_file", f"{config.access.api_keys_file}, line {number}, {wrong}")
+                    )
+                keys.append(key)
         access = msgspec.structs.replace(config.access, api_keys=[*config.access.api_keys, *keys], api_keys_file=None)
         config = msgspec.structs.replace(config, access=access)
     problems += _check_access(config)
@@ -986,6 +1001,9 @@ def _check(config: Config) -> list[Problem]:
         check_key(config.api_key, "api_key")
     except BadUpstream as exc:
         problems.append(Problem("api_key", str(exc)))
+    for i, key in enumerate(config.access.api_keys):
+        if (wrong := _inbound_key_problem(key)) is not None:
+            problems.append(Problem(f"access.api_keys[{i}]", wrong))
     names = [spec.name or spec.url for spec in specs]
     if len(set(names)) != len(names):
         shown = [_without_credentials(name) for name in names]
@@ -1017,6 +1035,20 @@ def _check(config: Config) -> list[Problem]:
                 Problem("is_responses_native", f"forwards /v1/responses unconverted, so {clashes} cannot apply")
             )
     return problems
+
+
+def _inbound_key_problem(key: str) -> str | None:
+    """What is wrong with an inbound key, which a client sends as `Authorization: Bearer <key>`
+    (visible ASCII, bounded); None when nothing is. An empty one (or one of spaces) would match no
+    request: every request would get a 401, silently."""
+    if not key.strip():
+        return "is empty: no client can send an empty key, so every request would be refused (401); remove it, or give the key"
+    if len(key) > MAX_KEY or not _KEY.fullmatch(key):
+        return (
+            f"must be at most {MAX_KEY} visible ASCII characters (no spaces or controls), as a client sends it "
+            "in `Authorization: Bearer <key>`"
+        )
+    return None
 
 
 def _check_access(config: Config) -> list[Problem]:

@@ -210,6 +210,10 @@ def test_invalid_values(section: dict, needle: str) -> None:
         ({"url": "http://h/v1", "weight": float("inf")}, r"upstreams\[0\]: weight"),
         ({"url": "http://h/v1", "weight": 1001}, r"upstreams\[0\]: weight must be above 0 and at most 1000"),
         ({"url": "http://h/v1", "weight": 0}, r"upstreams\[0\]: weight"),
+        ({"url": "http://127.0.0.1:8/v1#frag"}, r"upstreams\[0\]: url 'http://127.0.0.1:8/v1#frag' has a fragment"),
+        ({"url": "http://h/v1#"}, r"upstreams\[0\]: url .* has a fragment"),
+        ({"url": "http://h/v1?api-version=1"}, r"upstreams\[0\]: url .* has a query string: .*default_query"),
+        ({"url": "http://h/v1?"}, r"upstreams\[0\]: url .* has a query string"),
     ],
 )
 def test_an_upstream_that_cannot_be_built_is_an_error_naming_it(upstream: dict, needle: str) -> None:
@@ -227,6 +231,40 @@ def test_base_url_and_api_key_are_checked_like_any_upstream() -> None:
         {"base_url": ["http://[::1]:8000/v1", "https://vllm-0.vllm.ns.svc:443/v1/"], "api_key": "sk-1"}, environ={}
     )
     assert len(ok.base_url) == 2
+
+
+@pytest.mark.parametrize(
+    ("keys", "lines", "needle"),
+    [
+        ([""], None, r"access.api_keys\[0\]: is empty: no client can send an empty key"),
+        (["k1", "   "], None, r"access.api_keys\[1\]: is empty"),
+        (["k 1"], None, r"access.api_keys\[0\]: must be at most 4096 visible ASCII"),
+        (["k\r\nX: 1"], None, r"access.api_keys\[0\]: must be at most 4096 visible ASCII"),
+        (["k" * 5000], None, r"access.api_keys\[0\]: must be at most 4096"),
+        ([], "# keys\nk1\nk 2\n", r"access.api_keys_file: .*keys, line 3, must be at most 4096 visible ASCII"),
+    ],
+)
+def test_an_inbound_key_no_client_can_send_is_an_error_naming_it(tmp_path: Path, keys, lines, needle) -> None:
+    """An empty key (or one of spaces) started and refused every request with a 401, saying nothing."""
+    access: dict[str, object] = {"api_keys": keys}
+    if lines is not None:
+        (tmp_path / "keys").write_text(lines)
+        access["api_keys_file"] = str(tmp_path / "keys")
+    with pytest.raises(ConfigError, match=needle):
+        build_config({"base_url": "http://a/v1", "access": access}, environ={})
+
+
+def test_an_empty_inbound_key_stops_startup_in_one_line(tmp_path: Path) -> None:
+    config = write(tmp_path, "base_url: http://a/v1\naccess:\n  api_keys: ['']\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gymproxy", "check-config", str(config)], capture_output=True, text=True
+    )
+    assert result.returncode == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"gymproxy: {config}:") and line.endswith(
+        "access.api_keys[0]: is empty: no client can send an empty key, so every request would be refused (401); "
+        "remove it, or give the key"
+    ), line
 
 
 def test_open_admin_changes_need_a_loopback_host_and_admin_requires_key_needs_keys(tmp_path: Path) -> None:

@@ -233,6 +233,8 @@ BAD_ADDS = [
     ({"url": "file:///etc/passwd"}, "url"),
     ({"url": "http://127.0.0.1:0/v1", "name": "bad"}, "url"),
     ({"url": "http://a b/v1", "name": "bad"}, "url"),
+    ({"url": "http://127.0.0.1:8/v1#frag", "name": "bad"}, "url"),
+    ({"url": "http://127.0.0.1:8/v1?api-version=1"}, "url"),
     ({"url": "GOOD", "name": "bad", "api_key": "k\r\nX-Injected: 1"}, "api_key"),
     ({"url": "GOOD", "name": "bad", "api_key": "k" * 5000}, "api_key"),
     ({"url": "GOOD", "name": "x" * 100_000}, "name"),
