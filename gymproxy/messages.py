@@ -3,8 +3,8 @@
 
 vLLM serves the Messages API itself (`vllm/entrypoints/anthropic`), so gymproxy converts nothing
 (but a captured call, `convert.anthropic`, whose tokens that endpoint does not return): the route relays the request to the session's upstream as every relayed route does (pinned, failed
-over before a byte is sent, streamed chunk by chunk, the generation aborted when the client
-leaves). On top of that:
+over before a byte is sent, a stream passed on chunk by chunk and any other reply read whole
+first, the generation aborted when the client leaves). On top of that:
 
 - `prepare` checks that the body is one JSON object, and with `model` configured makes it the
   body's top-level `model` (Claude Code asks for Claude models that vLLM does not serve). A body
