@@ -303,7 +303,7 @@ class Limits(Settings, frozen=True, kw_only=True):
     # An upstream reply gymproxy holds whole (chat, Responses, /tokenize, a relayed reply that is not an
     # event stream, and a Responses stream, whose last events carry it all: it keeps a sixteenth of this
     # in characters) and one streamed event: past this, a 502. A generation of 128k tokens with their
-    # ids and log-probs (training mode) is some 14 MB; each reply held costs up to 3 times its size.
+    # ids and log-probs (training mode) is some 14 MB; a reply held whole costs 2 to 5 times its size.
     max_reply_size: Annotated[int, msgspec.Meta(ge=65536)] = 16 * 1024 * 1024
     # An upstream error reply (status 400 and up; vLLM's are a few hundred bytes): past this, a 502.
     max_error_reply_size: Annotated[int, msgspec.Meta(ge=1024)] = 1024 * 1024
@@ -436,7 +436,8 @@ class Config(Settings, frozen=True, kw_only=True):
     # Agents' requests weigh a few hundred KB (tens of thousands of prompt tokens); rollouts with images
     # need more than aiohttp's 1 MiB default. gymproxy decodes most bodies on its event loop, and
     # encodes them again for vLLM: up to some 3 ms a MiB each (a string of escapes), so a body at
-    # this limit and at the JSON values' limits holds the loop some 25 ms a step.
+    # this limit and at the JSON values' limits holds the loop some 25 ms of CPU a step, and up to
+    # some 10 times its size in memory.
     max_body_size: Annotated[int, msgspec.Meta(ge=1024)] = 8 * 1024 * 1024
     # Upstream connection pool: total connections across all upstreams (0 = no limit).
     max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0

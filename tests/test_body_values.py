@@ -230,8 +230,9 @@ async def test_hostile_variants_are_refused_or_served_and_hold_up_no_one(fake_vl
         if limit is not None:
             assert reply.closes and limit in error_message(path, reply.body), reply.body[:300]
     assert worst < 0.5, f"another client's /health waited {worst:.2f} s"  # 10-60 ms measured
-    # A served body is held as its bytes, its decoded value and the body sent on: some 5 times its size.
-    assert grown < (48 if status == 200 else 16), f"peak RSS grew {grown:.0f} MB"
+    # A served body is held as its bytes, its decoded value and the body sent on, and here the fake
+    # vLLM's answer echoes it (25-45 MB measured); a refused one costs next to nothing (2-3 MB).
+    assert grown < (64 if status == 200 else 16), f"peak RSS grew {grown:.0f} MB"
 
 
 def inflating(head: bytes, filler: bytes, size: int, tail: bytes) -> bytes:
