@@ -300,9 +300,9 @@ class Limits(Settings, frozen=True, kw_only=True):
     max_client_connections: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # `gymproxy serve`: the listen backlog (the kernel caps it at net.core.somaxconn).
     backlog: Annotated[int, msgspec.Meta(ge=1)] = 4096
-    # An upstream reply gymproxy holds whole (chat, Responses, /tokenize, a relayed reply that is not an
-    # event stream, and a Responses stream, whose last events carry it all: it keeps a sixteenth of this
-    # in characters) and one streamed event: past this, a 502. A generation of 128k tokens with their
+    # An upstream reply gymproxy holds whole (chat, Responses, /tokenize, every relayed reply but an event
+    # stream the client asked for, and a Responses stream, whose last events carry it all: it keeps a
+    # sixteenth of this in characters) and one streamed event: past this, a 502. A generation of 128k tokens with their
     # ids and log-probs (training mode) is some 14 MB; a reply held whole costs 2 to 5 times its size.
     max_reply_size: Annotated[int, msgspec.Meta(ge=65536)] = 16 * 1024 * 1024
     # An upstream error reply (status 400 and up; vLLM's are a few hundred bytes): past this, a 502.

@@ -20,7 +20,8 @@ No upstream reply is held or passed on past its limit (`limits.max_reply_size`, 
 of a converted stream, and a Responses stream (its last events carry the whole reply, so it keeps a
 sixteenth of the limit in characters: `KEPT_SHARE`). Past it the client gets a 502 naming the
 upstream and the limit (a stream: its terminal event), and no byte of the reply. A relayed event
-stream is passed on chunk by chunk whatever its length: it holds no more than a chunk at a time.
+stream the client asked for is passed on chunk by chunk whatever its length: it holds no more than
+a chunk at a time.
 """
 
 from __future__ import annotations
@@ -494,10 +495,12 @@ class Exchange:
         query: str | None = None,
         headers: Mapping[str, str] | None = None,
         fail: Callable[[GymproxyError], bytes] | None = None,
+        streamed: bool = False,
     ) -> web.StreamResponse:
-        """Send `data` to the session's upstream and relay its status and body: an event stream
-        chunk by chunk as it arrives (however long: each chunk is passed on as it comes), any other
-        reply read whole first.
+        """Send `data` to the session's upstream and relay its status and body. When the client
+        asked for a stream (`streamed`), an event stream is passed on chunk by chunk as it arrives,
+        however long; any other reply is read whole first (vLLM sends it whole, at the end), so
+        one over the limit reaches the client as a 502 and nothing of it.
 
         `query` and `headers` go upstream too (see `Fleet.send`). `fail` is the route's last event
         for a stream the upstream broke off: written when the stream is at an event boundary, so
@@ -508,11 +511,8 @@ class Exchange:
             self.caller.weights = sent.versions()
             if reply.status >= 400:  # read whole (it is small), so one over its limit is still a 502
                 return web.Response(status=reply.status, body=await read(reply), content_type=reply.content_type)
-            if reply.content_type != "text/event-stream":
-                # vLLM sends a reply that is not a stream whole, at the end: read whole (within
-                # `limits.max_reply_size`) before anything goes out, one over the limit reaches the
-                # client as a 502 and nothing of it.
-                payload = await read(reply)
+            if not streamed or reply.content_type != "text/event-stream":
+                payload = await read(reply)  # within `limits.max_reply_size`
                 if route in ABORTABLE and reply.content_type == JSON and ABORT in payload:
                     sent, payload = await self._unless_aborted(sent, payload, route, data, method)
                 self.caller.weights = sent.versions()

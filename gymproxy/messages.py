@@ -9,8 +9,8 @@ first, the generation aborted when the client leaves). On top of that:
 - `prepare` checks that the body is one JSON object, and with `model` configured makes it the
   body's top-level `model` (Claude Code asks for Claude models that vLLM does not serve). A body
   whose first key is `model`, as the SDKs write it, is edited in place; any other is re-encoded
-  with its other members copied as they are (never decoded).
-  It also returns `metadata.user_id`, the Messages API's `user`, which may key the session.
+  with its other members copied as they are (never decoded). It also returns `metadata.user_id`,
+  the Messages API's `user`, which may key the session, and whether the body asks for a stream.
 - `upstream_headers`: the client's `anthropic-*` headers (`anthropic-version`, `anthropic-beta`)
   go upstream, if they are printable ASCII and at most `MAX_FORWARDED` of them with
   `MAX_FORWARDED_BYTES` in all (else a 400 naming the header); its `x-api-key`, like its
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
@@ -65,6 +65,15 @@ class _View(msgspec.Struct):
 
     model: Any = None
     metadata: Any = None
+    stream: Any = None
+
+
+class Prepared(NamedTuple):
+    """A Messages body as it goes upstream, and what gymproxy read of it."""
+
+    body: bytes
+    user_id: str | None  # `metadata.user_id`, the Messages API's `user`
+    stream: bool  # the client asked for an event stream
 
 
 _VIEW: Final = msgspec.json.Decoder(_View)
@@ -72,9 +81,10 @@ _VIEW: Final = msgspec.json.Decoder(_View)
 _MEMBERS: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
-    """The body to send upstream (its top-level `model` set to `model`, when given) and the body's
-    `metadata.user_id`. Raises `BadRequest` when the body is not one JSON object."""
+def prepare(raw: bytes, model: str | None) -> Prepared:
+    """The body to send upstream (its top-level `model` set to `model`, when given), the body's
+    `metadata.user_id` and whether it asks for a stream. Raises `BadRequest` when the body is not
+    one JSON object."""
     body = raw
     if model is not None and (match := _FIRST_MODEL.match(raw)) is not None:
         value = ENCODER.encode(model)
@@ -90,7 +100,7 @@ def prepare(raw: bytes, model: str | None) -> tuple[bytes, str | None]:
         body = ENCODER.encode(members)
     metadata = view.metadata
     user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
-    return body, user_id if isinstance(user_id, str) and user_id else None
+    return Prepared(body, user_id if isinstance(user_id, str) and user_id else None, view.stream is True)
 
 
 def _decode(decode: Callable[[bytes], Any], body: bytes) -> Any:

@@ -234,15 +234,15 @@ async def responses_native(proxy: Proxy, request: web.Request, caller: Caller) -
         body = {**config.extra_body, **body}
     if config.sampling_overrides:
         body.update(config.sampling_overrides)
-    return await Exchange(proxy, request, caller).relay("responses", ENCODER.encode(body))
+    return await Exchange(proxy, request, caller).relay("responses", ENCODER.encode(body), streamed=stream is True)
 
 
 def relay(route: str) -> Route:
-    """A route that forwards the request body to `route` unchanged and streams the reply back."""
+    """A route that forwards the request body to `route` unchanged and relays the reply back."""
 
     async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
         data = await read_body(request, proxy.config)
-        return await Exchange(proxy, request, caller).relay(route, data)
+        return await Exchange(proxy, request, caller).relay(route, data, streamed=_asks_stream(data))
 
     relayed.__name__ = f"relay_{route}"
     return relayed
@@ -257,7 +257,7 @@ def anthropic(route: str) -> Route:
     async def relayed(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
         config = proxy.config
         raw = await read_body(request, config)
-        body, user_id = messages.prepare(raw, config.model)
+        body, user_id, stream = messages.prepare(raw, config.model)
         await _let_others_run(raw)
         _add_user(caller, user_id, config)
         if route == "messages" and (rollout := _rollout_of(proxy, caller)) is not None:
@@ -268,6 +268,7 @@ def anthropic(route: str) -> Route:
             query=request.rel_url.raw_query_string or None,
             headers=messages.upstream_headers(request.headers.items()),
             fail=messages.stream_error,
+            streamed=stream,
         )
 
     relayed.__name__ = f"anthropic_{route}"
@@ -779,6 +780,22 @@ async def _let_others_run(raw: bytes) -> None:
     turns of the loop to be answered."""
     if len(raw) >= BIG_BODY:
         await asyncio.sleep(0.001)
+
+
+class _Stream(msgspec.Struct):
+    stream: Any = None
+
+
+_STREAM: Final = msgspec.json.Decoder(_Stream)  # a relayed body's `stream`, the rest skipped over
+
+
+def _asks_stream(raw: bytes) -> bool:
+    """Whether a relayed body asks for a stream (`"stream": true`); one that is not a JSON object
+    does not (vLLM refuses it)."""
+    try:
+        return _STREAM.decode(raw).stream is True
+    except (msgspec.DecodeError, RecursionError):
+        return False
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:

@@ -112,18 +112,23 @@ def messages_of(fake: FakeVLLM) -> list[Any]:
 
 def test_prepare_edits_the_first_model_in_place_and_re_encodes_otherwise() -> None:
     raw = orjson.dumps(claude_code_body())
-    body, user_id = prepare(raw, "policy")
+    body, user_id, stream = prepare(raw, "policy")
     assert body == raw.replace(b'"claude-sonnet-4-5-20250929"', b'"policy"', 1)  # not one other byte moved
     assert user_id == "user_5f3a_account__session_0b1c2d3e"
-    assert prepare(raw, None) == (raw, user_id)  # no model configured: the very bytes
+    assert prepare(raw, None) == (raw, user_id, stream)  # no model configured: the very bytes
     assert prepare(raw, "claude-sonnet-4-5-20250929")[0] is raw  # the configured one already: untouched
     assert prepare(b' {\n "model" : "c\\"q", "model2": 1}', "p")[0] == b' {\n "model" : "p", "model2": 1}'
     for other in (b'{"max_tokens": 1, "model": "c"}', b'{"model": "a", "model": "b"}', b'{"model": 5}', b"{}"):
-        body, _ = prepare(other, "p")
+        body = prepare(other, "p").body
         assert orjson.loads(body)["model"] == "p", other
     nested = b'{"metadata": {"model": "keep"}, "model": "c"}'
     assert orjson.loads(prepare(nested, "p")[0]) == {"metadata": {"model": "keep"}, "model": "p"}
-    assert prepare(b'{"model": "c", "metadata": {"user_id": 7}}', None)[1] is None
+    assert prepare(b'{"model": "c", "metadata": {"user_id": 7}}', None).user_id is None
+    assert [prepare(b'{"model": "c", "stream": %s}' % v, None).stream for v in (b"true", b"false", b'"true"')] == [
+        True,
+        False,
+        False,
+    ]
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,20 @@ WHOLE = {
     ),
     "completions 200 chunked": (Offer(), COMPLETIONS, {"model": "m", "prompt": "hi"}, "limits.max_reply_size"),
     "tokenize 200 chunked": (Offer(), "/tokenize", {"model": "m", "prompt": "hi"}, "limits.max_reply_size"),
+    # An event stream for a request that asked for none is read whole too: only a stream the client
+    # asked for passes as it comes.
+    "relayed stream not asked for": (
+        Offer(content_type="text/event-stream", frames=b"event: ping\ndata: {}\n\n"),
+        MESSAGES,
+        {"model": "m", "max_tokens": 5, "messages": [], "stream": False},
+        "limits.max_reply_size",
+    ),
+    "completions stream not asked for": (
+        Offer(content_type="text/event-stream", frames=b"data: {}\n\n"),
+        COMPLETIONS,
+        {"model": "m", "prompt": "hi"},
+        "limits.max_reply_size",
+    ),
 }
 
 
