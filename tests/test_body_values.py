@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import multiprocessing
 import socket
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -119,33 +119,37 @@ def send_back_to_back(
     return replies
 
 
-def worst_health_wait(port: int, until: threading.Event) -> float:
-    """Seconds of the slowest `GET /health` of a client polling it until `until` is set."""
-    worst = 0.0
+def poll_health(port: int, started: Any, until: Any, worst: Any) -> None:
+    """Poll `GET /health` until `until` is set; the slowest wait (seconds) goes into `worst`."""
+    slowest = 0.0
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
         while not until.is_set():
             start = time.monotonic()
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert read_reply(sock).status == 200
-            worst = max(worst, time.monotonic() - start)
+            slowest = max(slowest, time.monotonic() - start)
+            started.set()
             time.sleep(0.005)
-    return worst
+    worst.put(slowest)
 
 
 def attack(
     port: int, bodies: list[tuple[str, bytes]], *, encoding: str | None = None
 ) -> tuple[list[tuple[str, RawReply]], float]:
-    """The hostile client's replies, and the worst /health wait of another client meanwhile."""
-    done = threading.Event()
-    waits: list[float] = []
-    poller = threading.Thread(target=lambda: waits.append(worst_health_wait(port, done)))
+    """The hostile client's replies, and the worst /health wait of another client meanwhile. That
+    client is a process of its own: the fake vLLM, in this one, holds its GIL while it decodes."""
+    spawn = multiprocessing.get_context("spawn")
+    started, done, worst = spawn.Event(), spawn.Event(), spawn.Queue()
+    poller = spawn.Process(target=poll_health, args=(port, started, done, worst))
     poller.start()
     try:
+        assert started.wait(60), "the /health poller did not start"
         replies = send_back_to_back(port, bodies, encoding=encoding)
     finally:
         done.set()
+        slowest: float = worst.get(timeout=60)
         poller.join(60)
-    return replies, waits[0]
+    return replies, slowest
 
 
 def _status(served: Served, field: str) -> float:
