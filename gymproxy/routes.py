@@ -132,7 +132,8 @@ def bind(proxy: Proxy, route: Route, path: str, *, open_route: bool = False, dia
             signer,
         )
         try:
-            caller.hops = hop_chain(headers.getall(HOP_HEADER, []), instance)
+            if HOP_HEADER in headers:  # it came through gymproxies (or a client says so)
+                caller.hops = hop_chain(headers.getall(HOP_HEADER), instance)
             if keys and not _authorized(request, keys, key_header):
                 raise Unauthorized(refused)
             if control and (least := headers.get(MIN_VERSION)) is not None:
@@ -167,7 +168,8 @@ async def responses(proxy: Proxy, request: web.Request, caller: Caller) -> web.S
     config = proxy.config
     raw = await read_body(request, config)
     req = proxy.requests.decode(raw)
-    await _let_others_run(raw)
+    if len(raw) >= BIG_BODY:
+        await _let_others_run()
     _add_key(caller, req.prompt_cache_key)
     _add_user(caller, req.user, config)
     stream = req.stream is True
@@ -196,7 +198,8 @@ async def chat_completions(proxy: Proxy, request: web.Request, caller: Caller) -
     config = proxy.config
     raw = await read_body(request, config)
     body = decode_chat(raw)
-    await _let_others_run(raw)
+    if len(raw) >= BIG_BODY:
+        await _let_others_run()
     _add_user(caller, body.get("user"), config)
     stream = body.get("stream") is True
     model = config.model if config.model is not None else body.get("model")
@@ -220,7 +223,8 @@ async def responses_native(proxy: Proxy, request: web.Request, caller: Caller) -
     config = proxy.config
     raw = await read_body(request, config)
     body = decode_object(raw)
-    await _let_others_run(raw)
+    if len(raw) >= BIG_BODY:
+        await _let_others_run()
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("`stream` must be a JSON boolean", param="stream")
@@ -258,7 +262,8 @@ def anthropic(route: str) -> Route:
         config = proxy.config
         raw = await read_body(request, config)
         body, user_id, stream = messages.prepare(raw, config.model)
-        await _let_others_run(raw)
+        if len(raw) >= BIG_BODY:
+            await _let_others_run()
         _add_user(caller, user_id, config)
         if route == "messages" and (rollout := _rollout_of(proxy, caller)) is not None:
             return await captured_messages(proxy, request, caller, body, rollout)
@@ -285,7 +290,8 @@ async def captured_messages(
         req = MESSAGES_DECODER.decode(body)
     except msgspec.DecodeError as exc:
         raise from_validation(exc) from exc
-    await _let_others_run(body)
+    if len(body) >= BIG_BODY:
+        await _let_others_run()
     caller.model = req.model
     exchange = Exchange(proxy, request, caller)
     merge = has_inline_system(req) and await _merges_inline_system(proxy, exchange, req.model)
@@ -773,13 +779,13 @@ def end_stalled_body(idle: float, looks: int = 4) -> bool:
     return False
 
 
-async def _let_others_run(raw: bytes) -> None:
+async def _let_others_run() -> None:
     """Between a big body's decode and what follows (its conversion, its encoding for vLLM): each is
     one call that holds the event loop (tens of ms for a body at the limits), and back to back they
     would add up. A short timer rather than `sleep(0)`: a request that arrived meanwhile needs a few
-    turns of the loop to be answered."""
-    if len(raw) >= BIG_BODY:
-        await asyncio.sleep(0.001)
+    turns of the loop to be answered. (Called for a body of `BIG_BODY` bytes or more only: a smaller
+    one makes no coroutine.)"""
+    await asyncio.sleep(0.001)
 
 
 class _Stream(msgspec.Struct):
