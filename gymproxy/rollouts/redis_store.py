@@ -5,8 +5,8 @@ behind one Service) whose calls of one rollout land anywhere. Keys and scripts: 
 `begin` and `end` append a record to a bounded in-memory queue and return, as the SQLite store's
 do. Every `FLUSH_S` a writer task on the event loop sends what is queued as one pipeline, one
 script a rollout (a call's start and end written together when its end is queued by then), and
-never waits for anything but Redis's answer. A rollout's calls are numbered (`seq`) in the order
-their first records reached Redis. `freeze` and `delete` go through the same queue, so a freeze
+never waits for anything but Redis's answer. A rollout's calls are numbered (`seq`) by when they
+started, ties in the order their first records reached Redis (`record.numbered`). `freeze` and `delete` go through the same queue, so a freeze
 comes after every record this process queued before it; the freeze is a script, and the write
 script refuses every record of a frozen rollout, so once a freeze returns no process adds a call.
 `admit` refuses a rollout it has seen frozen, and otherwise asks Redis (within `ADMIT_S`).
@@ -34,9 +34,8 @@ import urllib.parse
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
-
 from . import redis_scripts as lua
-from .record import FAILED, Call, Rollout, State, Summary, decode_call, encode_call
+from .record import FAILED, Call, Rollout, State, Summary, decode_call, encode_call, numbered
 from .redis_scripts import FROZEN, OPEN, PROBE, UPDATED, Keys
 from .store import Bounds, Stats, StoreError
 
@@ -236,8 +235,7 @@ class RedisStore:
                 start += READ_CHUNK
         except Exception as exc:
             raise self._error("cannot be read", exc) from None
-        for seq, call in enumerate(calls, 1):
-            call.seq = seq
+        numbered(calls)
         frozen_at = meta.get(b"frozen_at")
         return Rollout(
             rollout_id=rollout_id,
@@ -338,7 +336,9 @@ class RedisStore:
                         continue
                     if kind == "begin" and call.outcome != "in_flight":
                         whole.add(call.call_id)  # ended while queued: its end is queued after it
-                    groups.setdefault(call.rollout_id, []).append((call.call_id, call.outcome in FAILED, encode_call(call)))
+                    groups.setdefault(call.rollout_id, []).append(
+                        (call.call_id, call.outcome in FAILED, encode_call(call))
+                    )
                     continue
                 if groups:
                     await self._send(groups)
