@@ -17,7 +17,7 @@ from gymproxy import build_config, create_app
 from gymproxy.server import new_loop
 from gymproxy.testing.fake_vllm import FakeVLLM
 
-from .redis_server import RedisServer
+from .stores import Backend, RedisServer
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
@@ -96,3 +96,13 @@ def redis_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+async def backend(request, tmp_path):
+    """Each kind of rollout store in turn (see tests/stores.py); its stores closed after the test."""
+    made = Backend(request.param, tmp_path)
+    try:
+        yield made
+    finally:
+        await made.close()

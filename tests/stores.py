@@ -1,19 +1,25 @@
-"""A real `redis-server` for the shared store's tests: started on a free port in a temporary
-directory, with no persistence (`--save '' --appendonly no`), never a system service. A test that
-needs one and finds no `redis-server` binary is skipped, saying so (`.ci/run` installs Debian's).
+"""The stores the tests run against: a real `redis-server` (started on a free port in a temporary
+directory, with no persistence: `--save '' --appendonly no`, never a system service; a test that
+needs one and finds no `redis-server` binary is skipped, saying so: `.ci/run` installs Debian's),
+and `Backend`, one kind of store (SQLite or Redis) with a URL per name and a way to stall it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from gymproxy.rollouts.store import Bounds, Store, open_store
 
 from .served import free_port
 
@@ -73,3 +79,52 @@ class RedisServer:
     def resume(self) -> None:
         assert self.process is not None
         os.kill(self.process.pid, signal.SIGCONT)
+
+
+class Backend:
+    """One kind of store for the contract tests: a URL per name, and how to stall it."""
+
+    def __init__(self, kind: str, tmp_path: Path) -> None:
+        self.kind = kind
+        self.tmp_path = tmp_path
+        self.redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
+        self.stores: list[Store] = []  # closed after the test, passed or not (an open socket hangs uvloop's close)
+        self._dbs: dict[str, int] = {}
+
+    def url(self, name: str = "r") -> str:
+        if self.redis is None:
+            return f"sqlite:///{self.tmp_path / name}.db"
+        return self.redis.url(self._dbs.setdefault(name, len(self._dbs)))  # a database of its own
+
+    async def opened(self, name: str = "r", **bounds: float) -> Store:
+        store = open_store(self.url(name), Bounds(**bounds))  # type: ignore[arg-type]
+        self.stores.append(store)
+        await store.start()
+        return store
+
+    @contextlib.contextmanager
+    def stalled(self, name: str = "r") -> Iterator[None]:
+        """Nothing is written meanwhile: SQLite's writer waits on a lock (as on a stalled disk),
+        redis-server is stopped (SIGSTOP: its connections stay open and silent)."""
+        if self.redis is None:
+            blocker = sqlite3.connect(self.tmp_path / f"{name}.db", isolation_level=None)
+            blocker.execute("BEGIN EXCLUSIVE")
+            try:
+                yield
+            finally:
+                blocker.execute("ROLLBACK")
+                blocker.close()
+            return
+        self.redis.pause()
+        try:
+            yield
+        finally:
+            self.redis.resume()
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            self.redis.resume()
+        for store in self.stores:
+            await store.close()
+        if self.redis is not None:
+            self.redis.stop()

@@ -7,24 +7,22 @@ test_redis_store.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from gymproxy.rollouts.record import Call
 from gymproxy.rollouts.sqlite_store import SQLiteStore
-from gymproxy.rollouts.store import Bounds, Store, StoreError, open_store
+from gymproxy.rollouts.store import Bounds, StoreError, open_store
 
 from .faults import eventually
-from .redis_server import RedisServer
+from .stores import Backend
 
 WRITER = """
 import asyncio, sys, time
@@ -50,64 +48,6 @@ async def main(url, name, n, report):
 asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"))
 """
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-
-
-class Backend:
-    """One kind of store for the contract tests: a URL per name, and how to stall it."""
-
-    def __init__(self, kind: str, tmp_path: Path) -> None:
-        self.kind = kind
-        self.tmp_path = tmp_path
-        self.redis = RedisServer(tmp_path / "redis").start() if kind == "redis" else None
-        self.stores: list[Store] = []  # closed after the test, passed or not (an open socket hangs uvloop's close)
-        self._dbs: dict[str, int] = {}
-
-    def url(self, name: str = "r") -> str:
-        if self.redis is None:
-            return f"sqlite:///{self.tmp_path / name}.db"
-        return self.redis.url(self._dbs.setdefault(name, len(self._dbs)))  # a database of its own
-
-    async def opened(self, name: str = "r", **bounds: float) -> Store:
-        store = open_store(self.url(name), Bounds(**bounds))  # type: ignore[arg-type]
-        self.stores.append(store)
-        await store.start()
-        return store
-
-    @contextlib.contextmanager
-    def stalled(self, name: str = "r") -> Iterator[None]:
-        """Nothing is written meanwhile: SQLite's writer waits on a lock (as on a stalled disk),
-        redis-server is stopped (SIGSTOP: its connections stay open and silent)."""
-        if self.redis is None:
-            blocker = sqlite3.connect(self.tmp_path / f"{name}.db", isolation_level=None)
-            blocker.execute("BEGIN EXCLUSIVE")
-            try:
-                yield
-            finally:
-                blocker.execute("ROLLBACK")
-                blocker.close()
-            return
-        self.redis.pause()
-        try:
-            yield
-        finally:
-            self.redis.resume()
-
-    async def close(self) -> None:
-        if self.redis is not None:
-            self.redis.resume()
-        for store in self.stores:
-            await store.close()
-        if self.redis is not None:
-            self.redis.stop()
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    made = Backend(request.param, tmp_path)
-    try:
-        yield made
-    finally:
-        await made.close()
 
 
 def make(i: int, rollout: str = "r", n: int = 2000) -> Call:
