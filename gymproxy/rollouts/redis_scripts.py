@@ -6,7 +6,7 @@ unambiguously: no id can name another rollout's key or a shared one (which has n
 braces also put a rollout's keys in one hash slot.
 
     gymproxy:{<id>}:meta     hash: state, created, updated, frozen_at, refused
-    gymproxy:{<id>}:calls    hash: call_id -> the call's record (msgpack); its end replaces its start
+    gymproxy:{<id>}:calls    hash: call_id -> the call's record (JSON, `record.encode_call`); its end replaces its start
     gymproxy:{<id>}:order    list: call ids in the order their first record was written (seq)
     gymproxy:{<id>}:failed   set: call ids whose outcome is in_flight, error or cut
     gymproxy:open, gymproxy:frozen   sorted sets of ids (score 0: listed by id)
