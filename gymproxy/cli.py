@@ -1,4 +1,4 @@
-"""The `gymproxy` command: `serve`, `check-config` and `fake-vllm`."""
+"""The `gymproxy` command: `serve`, `check-config`, `rollouts export` and `fake-vllm`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         run(args.host, args.port, args.model, args.max_model_len)
         return
+    if args.command == "rollouts":
+        from .rollouts.export import export
+
+        raise SystemExit(export(args.store, args.out, frozen_only=args.frozen_only))
     try:
         config = _load(args)
     except ConfigError as exc:
@@ -444,6 +448,18 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--strict", action="store_true", help="a ${NAME} with no value from --set or the environment is an error"
     )
+
+    rollouts = commands.add_parser("rollouts", help="the rollouts capture recorded (capture.*)")
+    actions = rollouts.add_subparsers(dest="action", required=True)
+    export = actions.add_parser(
+        "export",
+        help="write every rollout, as GET /v1/rollouts/{id} gives it, to a file a training job reads",
+        epilog="exit status: 0 written; 1 the store could not be read or the file written (no file is left); "
+        "2 the command cannot run as given (a bad --store, .parquet without pyarrow)",
+    )
+    export.add_argument("--store", required=True, help="capture.store: sqlite:///PATH or redis://HOST:PORT/DB")
+    export.add_argument("--out", required=True, help="FILE.jsonl (one rollout a line), or FILE.parquet (pyarrow)")
+    export.add_argument("--frozen-only", action="store_true", help="only rollouts frozen by POST .../freeze")
 
     fake = commands.add_parser("fake-vllm", help="run the bundled fake vLLM (for demos and tests)")
     fake.add_argument("--host", default="127.0.0.1")

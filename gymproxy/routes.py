@@ -31,7 +31,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, TypeVar
 
 import msgspec
 import orjson
@@ -54,6 +54,7 @@ from .errors import (
     NotFound,
     PayloadTooLarge,
     Unauthorized,
+    Unavailable,
     from_validation,
     render,
 )
@@ -74,7 +75,7 @@ from .ids import hex32
 from .pinning import read_cookie
 from .proxy import Proxy, hop_chain
 from .rollouts.record import Rollout
-from .rollouts.store import Store
+from .rollouts.store import Store, StoreError
 from .rollouts.trajectory import view
 from .schemas import ENCODER
 from .schemas.chat import ChatRequestView
@@ -485,7 +486,7 @@ async def list_rollouts(proxy: Proxy, request: web.Request, caller: Caller) -> w
     state = query.get("state")
     if state not in (None, "open", "frozen"):
         raise BadRequest(f"state must be open or frozen, not {state[:64]!r}", param="state")
-    page = await store.list(after=after, limit=limit + 1, state=state)  # type: ignore[arg-type]
+    page = await _stored(store.list(after=after, limit=limit + 1, state=state))  # type: ignore[arg-type]
     more = len(page) > limit
     page = page[:limit]
     body = {"object": "list", "data": page, "has_more": more, "last_id": page[-1].rollout_id if page else None}
@@ -495,7 +496,7 @@ async def list_rollouts(proxy: Proxy, request: web.Request, caller: Caller) -> w
 async def get_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`GET /v1/rollouts/{rollout_id}`: its calls and its trajectory, rebuilt (`rollouts.trajectory`)."""
     store = _store(proxy)
-    rollout = await store.get(_rollout(request))
+    rollout = await _stored(store.get(_rollout(request)))
     if rollout is None:
         raise _unknown(request)
     return await _rollout_view(rollout)
@@ -504,7 +505,7 @@ async def get_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web
 async def freeze_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> web.StreamResponse:
     """`POST /v1/rollouts/{rollout_id}/freeze`: the atomic snapshot; later calls of it get a 409."""
     store = _store(proxy)
-    rollout = await store.freeze(_rollout(request))
+    rollout = await _stored(store.freeze(_rollout(request)))
     if rollout is None:
         raise _unknown(request)
     return await _rollout_view(rollout)
@@ -514,7 +515,7 @@ async def delete_rollout(proxy: Proxy, request: web.Request, caller: Caller) -> 
     """`DELETE /v1/rollouts/{rollout_id}`: its records freed."""
     store = _store(proxy)
     rollout = _rollout(request)
-    if not await store.delete(rollout):
+    if not await _stored(store.delete(rollout)):
         raise _unknown(request)
     return web.Response(body=ENCODER.encode({"id": rollout, "object": "rollout", "deleted": True}), content_type=JSON)
 
@@ -523,6 +524,17 @@ async def _rollout_view(rollout: Rollout) -> web.Response:
     # A long rollout's trajectory is megabytes of token ids: rebuilt and encoded off the event loop.
     body = await asyncio.to_thread(lambda: ENCODER.encode(view(rollout)))
     return web.Response(body=body, content_type=JSON)
+
+
+_T = TypeVar("_T")
+
+
+async def _stored(answer: Awaitable[_T]) -> _T:
+    """The store's answer; a store that cannot give one (down, failing) is a 503 naming it."""
+    try:
+        return await answer
+    except StoreError as exc:
+        raise Unavailable(str(exc)) from exc
 
 
 def _store(proxy: Proxy) -> Store:

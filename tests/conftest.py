@@ -17,6 +17,8 @@ from gymproxy import build_config, create_app
 from gymproxy.server import new_loop
 from gymproxy.testing.fake_vllm import FakeVLLM
 
+from .stores import Backend, RedisServer
+
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
     """The event loop `gymproxy serve` uses: uvloop's when installed, else asyncio's."""
@@ -84,3 +86,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
     if STATS["faults"] or STATS["hostile"]:
         terminalreporter.write_line(f"reliability: {summary()}")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A started redis-server of the test's own (skipped, saying why, when there is none), killed after it."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+async def backend(request, tmp_path):
+    """Each kind of rollout store in turn (see tests/stores.py); its stores closed after the test."""
+    made = Backend(request.param, tmp_path)
+    try:
+        yield made
+    finally:
+        await made.close()

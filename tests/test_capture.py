@@ -9,6 +9,8 @@ consistent across turns), with the real openai client where a client is the poin
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from gymproxy.rollouts.store import Stats
 from gymproxy.testing.fake_vllm import FakeVLLM, Script, pieces
 
 from .faults import eventually, start_proxy
+from .stores import Backend, RedisServer
 
 CHAT = "/v1/chat/completions"
 TOKEN_FIELDS = (b"prompt_token_ids", b"token_ids", b"logprob")
@@ -403,13 +406,12 @@ async def test_a_thousand_concurrent_rollouts_lose_no_call_and_sigterm_flushes(
 
 
 async def test_after_sigkill_and_a_restart_every_committed_call_is_readable(
-    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path
+    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path, backend: Backend
 ) -> None:
     from .served import Served, free_port
 
-    db = tmp_path / "killed.db"
     port = free_port()
-    config = {"base_url": fake.url, "port": port, "capture": {"enabled": True, "store": f"sqlite:///{db}"}}
+    config = {"base_url": fake.url, "port": port, "capture": {"enabled": True, "store": backend.url("killed")}}
     seen: dict[str, list[dict[str, Any]]] = {}
     async with Served(tmp_path, dict(config)) as served:
         async with aiohttp.ClientSession() as session:
@@ -437,32 +439,126 @@ async def test_after_sigkill_and_a_restart_every_committed_call_is_readable(
 
 
 async def test_a_store_that_stalls_for_5_s_leaves_other_requests_their_latency(
-    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path
+    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path, backend: Backend
 ) -> None:
-    import sqlite3
+    """SQLite's writer waits on a lock, redis-server is stopped (SIGSTOP): for 5 s nothing is written,
+    and neither captured calls nor /health wait for it."""
     import time
 
-    url, proxy = await gymproxy(aiohttp_server, fake, tmp_path)
+    url, proxy = await gymproxy(aiohttp_server, fake, tmp_path, capture={"store": backend.url("rollouts")})
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{url}/ng-rollout/warm{CHAT}", json=body) as r:
             assert r.status == 200
         await settled(session, url, "warm", 1)
-        blocker = sqlite3.connect(tmp_path / "rollouts.db", isolation_level=None)
-        blocker.execute("BEGIN EXCLUSIVE")  # the store's writer waits on it, as on a stalled disk
-        worst, stalled, made = 0.0, time.monotonic(), 0
-        while time.monotonic() - stalled < 5:
-            made += 1
-            began = time.monotonic()
-            async with session.post(f"{url}/ng-rollout/during{CHAT}", json=body) as r:
-                assert r.status == 200
-            async with session.get(f"{url}/health") as r:
-                assert r.status == 200
-            worst = max(worst, time.monotonic() - began)
-        blocker.execute("ROLLBACK")
-        blocker.close()
+        worst, made = 0.0, 0
+        with backend.stalled("rollouts"):
+            stalled = time.monotonic()
+            while time.monotonic() - stalled < 5:
+                made += 1
+                began = time.monotonic()
+                async with session.post(f"{url}/ng-rollout/during{CHAT}", json=body) as r:
+                    assert r.status == 200
+                async with session.get(f"{url}/health") as r:
+                    assert r.status == 200
+                worst = max(worst, time.monotonic() - began)
         recorded = await settled(session, url, "during", made)
     # Blocked, they would wait out the 5 s stall; the bound leaves room for a loaded machine.
     assert worst < 2.0, f"a call and a /health took {worst:.3f} s while the store stalled"
     assert all(c["outcome"] == "ok" for c in recorded["calls"]) and len(recorded["calls"]) == made > 10
     assert proxy.capture.stats.failed == 0
+
+
+# --- the shared store: several processes, a Redis that is down -----------------------------------------
+
+
+async def test_two_workers_record_200_rollouts_of_5_calls_each_whole(
+    fake: FakeVLLM, tmp_path: Path, backend: Backend
+) -> None:
+    """`gymproxy serve --workers 2` on one store (Redis, or one SQLite file): each call on a new
+    connection, so the kernel spreads a rollout's calls over both workers; every rollout is whole,
+    its calls numbered 1 to 5 in turn order, each holding exactly the tokens the fake vLLM returned."""
+    import re
+
+    from .served import Served
+
+    config = {"base_url": fake.url, "access_log": True, "capture": {"enabled": True, "store": backend.url("workers")}}
+    served = Served(tmp_path, config, "--workers", "2")
+    async with served:
+        for _ in range(400):
+            if served.log.count(" listening on http://") >= 3:  # the parent's line and each worker's
+                break
+            await asyncio.sleep(0.05)
+        connector = aiohttp.TCPConnector(force_close=True)  # a new connection for every call
+        async with aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar()) as session:
+            gate = asyncio.Semaphore(40)
+
+            async def rollout_of_5(rid: str) -> None:
+                async with gate:
+                    await turns(session, served.url, rid, 5)
+
+            await asyncio.gather(*(rollout_of_5(f"w-{i:03}") for i in range(200)))
+    served_by = re.findall(r"gymproxy\.access \[w(\d)\]: .* method=POST .* session=(w-\d+) ", served.log)
+    workers_of: dict[str, set[str]] = {}
+    for worker, rid in served_by:
+        workers_of.setdefault(rid, set()).add(worker)
+    assert len(served_by) == 1000 and len(workers_of) == 200
+    assert sum(len(w) == 2 for w in workers_of.values()) > 100  # most rollouts ran on both workers
+    store = await backend.opened("workers")  # after SIGTERM: every worker flushed
+    page = await store.list(after=None, limit=1000)
+    assert len(page) == 200 and all(s.calls == 5 and s.complete for s in page)
+    recorded = []
+    for summary in page:
+        rollout = await store.get(summary.rollout_id)
+        assert rollout is not None and [c.seq for c in rollout.calls] == [1, 2, 3, 4, 5]
+        assert all(c.outcome == "ok" for c in rollout.calls)
+        for earlier, later in pairwise(rollout.calls):  # each turn's prompt holds the turn before, whole
+            held = (earlier.prompt_token_ids or []) + (earlier.generation_token_ids or [])
+            assert (later.prompt_token_ids or [])[: len(held)] == held
+        recorded += [
+            (tuple(c.prompt_token_ids or ()), tuple(c.generation_token_ids or ()), tuple(c.generation_log_probs or ()))
+            for c in rollout.calls
+        ]
+    sent = [
+        (tuple(r["prompt_token_ids"]), tuple(r["generation_token_ids"]), tuple(r["generation_log_probs"] or ()))
+        for r in fake.returned
+    ]
+    assert len(sent) == 1000 and Counter(recorded) == Counter(sent)
+
+
+@pytest.mark.parametrize("required", [False, True])
+async def test_a_redis_that_is_down_never_fails_a_call_unless_capture_is_required(
+    aiohttp_server: Any, fake: FakeVLLM, tmp_path: Path, required: bool
+) -> None:
+    """Redis down at startup: gymproxy serves; a call's records wait in the queue (up to
+    capture.max_pending, past it they are counted as not recorded) and are written once Redis is
+    up; with capture.required the call is a 503 before vLLM sees it."""
+    redis = RedisServer(tmp_path / "redis")  # not started
+    capture = {"store": redis.url(), "required": required, "max_pending": 16}
+    url, proxy = await gymproxy(aiohttp_server, fake, tmp_path, capture=capture)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(12):  # 24 records: 16 wait, 8 are not taken
+                async with session.post(f"{url}/ng-rollout/d{CHAT}", json=body) as r:
+                    assert r.status == (503 if required else 200)
+                    if required:
+                        assert "capture.required" in (await r.json())["error"]["message"]
+            async with session.get(f"{url}/v1/rollouts/d") as r:
+                assert r.status == 503 and "unreachable" in (await r.json())["error"]["message"]
+            async with session.get(f"{url}/metrics") as r:
+                text = await r.text()
+            sent = sum(1 for r in fake.requests if r.path.endswith(CHAT))
+            assert sent == (0 if required else 12)
+            if required:
+                return
+            assert 'gymproxy_capture_not_recorded_total{reason="not_taken"} 4' in text  # 4 calls' records
+            redis.start()
+            got = await settled(session, url, "d", 8)
+            assert [c["seq"] for c in got["calls"]] == list(range(1, 9))
+            async with session.post(f"{url}/ng-rollout/d{CHAT}", json=body) as r:
+                assert r.status == 200
+            assert len((await settled(session, url, "d", 9))["calls"]) == 9
+    finally:
+        await proxy.capture.close()
+        redis.stop()

@@ -1,8 +1,8 @@
 """What capture records: one `Call` per model call, and a rollout as a store gives it back.
 
 A call is written twice: when it starts (`outcome` "in_flight", no tokens yet) and when it ends,
-under the same `call_id`. The store numbers a rollout's calls in the order their starts reach it
-(`seq`, from 1). A rollout is "open" until it is frozen; a frozen rollout never changes again: a
+under the same `call_id`. A rollout's calls are numbered in the order they started (`seq`, from 1:
+`numbered`), whichever process recorded them, ties in the order their first records were written. A rollout is "open" until it is frozen; a frozen rollout never changes again: a
 call that starts after the freeze is refused (and counted in `refused`), and the end of a call
 that was in flight at the freeze is dropped, so the snapshot keeps it "in_flight".
 """
@@ -96,3 +96,12 @@ class Summary(msgspec.Struct, kw_only=True):
     updated: float
     calls: int
     complete: bool
+
+
+def numbered(calls: list[Call]) -> list[Call]:
+    """`calls` (in the order their first records were written) sorted by when they started, and
+    numbered from 1: a worker's batch may reach the store after a later call's from another."""
+    calls.sort(key=lambda call: call.started)  # stable: ties keep the written order
+    for seq, call in enumerate(calls, 1):
+        call.seq = seq
+    return calls

@@ -11,8 +11,8 @@ touches the file.
 Several processes may share the file (`--workers`): each transaction takes the write lock
 (`BEGIN IMMEDIATE`, waiting up to `BUSY_TIMEOUT_S`) and re-reads the rollouts frozen since its
 last look inside it, so a call's records that reach a rollout another process froze are dropped
-(counted): a snapshot never changes. A call's `seq` is the order in which its first record was
-committed (the table's rowid), numbered from 1 when read. `admit` sees another process's freeze
+(counted): a snapshot never changes. Calls are numbered (`seq`) by when they started, ties in the
+order their first records were committed (the table's rowid: `record.numbered`). `admit` sees another process's freeze
 within `FLUSH_S`.
 
 What SIGKILL can lose: the records still queued, at most `FLUSH_S` of them; every committed one
@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-from .record import Call, Rollout, State, Summary, decode_call, encode_call
+from .record import Call, Rollout, State, Summary, decode_call, encode_call, numbered
 from .store import Bounds, Stats, StoreError
 
 log = logging.getLogger("gymproxy")
@@ -358,11 +358,8 @@ def _rollout(db: sqlite3.Connection, rollout: str) -> Rollout | None:
     ).fetchone()
     if row is None:
         return None
-    calls = []
-    for seq, (data,) in enumerate(db.execute("SELECT data FROM calls WHERE rollout = ? ORDER BY ord", (rollout,)), 1):
-        call = decode_call(data)
-        call.seq = seq
-        calls.append(call)
+    rows = db.execute("SELECT data FROM calls WHERE rollout = ? ORDER BY ord", (rollout,))
+    calls = numbered([decode_call(data) for (data,) in rows])
     state, created, updated, frozen_at, refused = row
     return Rollout(
         rollout_id=rollout,

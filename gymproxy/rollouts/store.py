@@ -102,4 +102,5 @@ def open_store(url: str, bounds: Bounds) -> Store:
 
         store: Store = RedisStore(url, bounds)
         return store
-    raise StoreError(f"capture.store: {url!r} is neither sqlite:///PATH nor redis://HOST:PORT/DB")
+    scheme = url.partition("://")[0][:32]  # never the rest: it may hold a password
+    raise StoreError(f"capture.store: {scheme!r} URLs are neither sqlite:///PATH nor redis://HOST:PORT/DB")
