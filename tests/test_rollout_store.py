@@ -29,7 +29,7 @@ import asyncio, sys, time
 from gymproxy.rollouts.record import Call
 from gymproxy.rollouts.store import Bounds, open_store
 
-async def main(url, name, n, report):
+async def main(url, name, n, report, pause):
     store = open_store(url, Bounds())
     await store.start()
     for i in range(n):
@@ -41,11 +41,12 @@ async def main(url, name, n, report):
         if report and i % 50 == 49:
             await store.freeze(f"barrier-{name}-{i}")  # after every record queued before it: committed
             print(i, flush=True)
-        await asyncio.sleep(0)
+        await asyncio.sleep(pause)
     if not report:
         await store.close()
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"))
+pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", pause))
 """
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
 
@@ -160,15 +161,18 @@ async def test_two_processes_freezing_while_two_write_agree_and_nothing_is_added
     """Two writer processes keep adding calls to one rollout while two stores freeze it at once:
     both get the same snapshot, and it is what the rollout holds after the writers went on trying."""
     url = backend.url("shared")
+    # A call every 2 ms each: still writing at the freeze, and the rollout stays small enough to read
+    # back whole, however slowly this test's polls come on a loaded machine.
     procs = [
-        subprocess.Popen([sys.executable, "-c", WRITER, url, name, "10000000", "0"], env=ENV) for name in ("w1", "w2")
+        subprocess.Popen([sys.executable, "-c", WRITER, url, name, "1000000", "0", "0.002"], env=ENV)
+        for name in ("w1", "w2")
     ]
     try:
         first, second = await backend.opened("shared"), await backend.opened("shared")
 
         async def written() -> int:
-            rollout = await first.get("shared")
-            return 0 if rollout is None else len(rollout.calls)
+            summaries = [s for s in await first.list(after=None, limit=10) if s.rollout_id == "shared"]
+            return summaries[0].calls if summaries else 0
 
         for _ in range(600):
             if await written() >= 200:
