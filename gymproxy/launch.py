@@ -828,7 +828,7 @@ class Launcher:
         be the replica (`_ours`), reporting progress now and then."""
         report = time.monotonic() + self.launch.progress_interval_s
         replica.stranger = None
-        while not (await _healthy(replica.port) and await self._ours(replica)):
+        while not (await _healthy(replica.port, replica.owner) and await self._ours(replica)):
             await asyncio.sleep(READY_POLL_S)
             self._read_tail(replica)
             now = time.monotonic()
@@ -854,17 +854,18 @@ class Launcher:
         """Whether the server answering on the replica's port is the replica: its process runs,
         `/v1/models` refuses a wrong API key (401) and takes its own (200), and unless gymproxy holds
         the port for it (then only gymproxy's own user can listen there), the listening socket is
-        held by its process group (where /proc tells): the key is sent only once that is known,
-        so another user's process on the port never sees it."""
+        held by its process group (where /proc tells). Every probe's connection passes the
+        replica's `Owner` first (`_status`), so another user's process on the port is sent no
+        probe, and never the key."""
         process = replica.process
         if process is None or process.returncode is not None:
             return False
         try:
             if replica.guard is None and ownership.holds_listener(process.pid, replica.port) is False:
                 why = f"port {replica.port} is held by another process, not by {replica.name}'s"
-            elif await _status(replica.port, "/v1/models", secrets.token_urlsafe(16)) != 401:
+            elif await _status(replica.port, "/v1/models", replica.owner, secrets.token_urlsafe(16)) != 401:
                 why = f"the server on port {replica.port} does not check {replica.name}'s API key (a wrong one is not refused)"
-            elif (status := await _status(replica.port, "/v1/models", replica.api_key, owner=replica.owner)) != 200:
+            elif (status := await _status(replica.port, "/v1/models", replica.owner, replica.api_key)) != 200:
                 why = f"the server on port {replica.port} refuses {replica.name}'s API key (GET /v1/models answered {status})"
             else:
                 return True
@@ -885,9 +886,11 @@ class Launcher:
         answered = time.monotonic()
         while True:
             await asyncio.sleep(poll)
-            status = await _status(
-                replica.port, "/health", timeout=HEALTH_TIMEOUT_S if limit is None else min(limit, HEALTH_TIMEOUT_S)
-            )
+            timeout = HEALTH_TIMEOUT_S if limit is None else min(limit, HEALTH_TIMEOUT_S)
+            try:
+                status = await _status(replica.port, "/health", replica.owner, timeout=timeout)
+            except Stranger:
+                status = None  # it is gone from its port: its exit is next
             if status is not None:
                 answered = time.monotonic()
                 self._answered(replica, status)
@@ -1049,9 +1052,12 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def _healthy(port: int, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+async def _healthy(port: int, owner: ownership.Owner, timeout: float = HEALTH_TIMEOUT_S) -> bool:
     """Whether `GET /health` on the port answers 200 within `timeout` (each of connect and reply)."""
-    return await _status(port, "/health", timeout=timeout) == 200
+    try:
+        return await _status(port, "/health", owner, timeout=timeout) == 200
+    except Stranger:
+        return False
 
 
 class Stranger(Exception):
@@ -1059,20 +1065,16 @@ class Stranger(Exception):
 
 
 async def _status(
-    port: int,
-    path: str,
-    key: str | None = None,
-    timeout: float = HEALTH_TIMEOUT_S,
-    owner: ownership.Owner | None = None,
+    port: int, path: str, owner: ownership.Owner, key: str | None = None, timeout: float = HEALTH_TIMEOUT_S
 ) -> int | None:
-    """The status of `GET path` on the port (with `key` as the bearer token), None when no status
-    line came within `timeout` (each of connect and reply); with `owner`, `Stranger` when it
-    refuses the connection (`Owner.after`)."""
+    """The status of `GET path` on the replica's port (with `key` as the bearer token), None when
+    no status line came within `timeout` (each of connect and reply); `Stranger` when its `owner`
+    refuses the connection (`Owner.after`: nothing is sent on it)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     except (OSError, asyncio.TimeoutError):
         return None
-    if owner is not None and (refused := await owner.after(writer.get_extra_info("socket"))) is not None:
+    if (refused := await owner.after(writer.get_extra_info("socket"))) is not None:
         writer.close()
         raise Stranger(refused)
     auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()

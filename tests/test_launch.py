@@ -578,6 +578,7 @@ def launched(
     *args: str,
     hold: bool = False,
     env: dict[str, str] | None = None,
+    plan: str = "",
 ) -> Gym:
     gym = Gym(
         tmp_path,
@@ -597,6 +598,7 @@ def launched(
         *(HOLD if hold else ()),
         *args,
         env={**(HOLDABLE if hold else {}), **(env or {})},
+        plan=plan,
     )
     gyms.append(gym)
     wait_until(lambda: gym.log.count(" listening on http://") == workers or gym.process.poll() is not None, "serving")
@@ -768,6 +770,31 @@ def test_a_replica_whose_port_is_taken_while_it_restarts_moves_and_keeps_its_ses
             assert gym.chat(cookie) == (200, None)  # served where its pin says: vllm-0, on its new port
         assert not thief.got() and "given up" not in gym.log
         assert gym.replica("vllm-0")["state"] == "ready"
+    finally:
+        thief.stop()
+    assert gym.stop() == 0
+
+
+def test_a_port_taken_after_the_launcher_looked_and_before_the_replica_binds_it_costs_no_restart(
+    tmp_path: Path, vllm_bin: Path, gyms: list[Gym]
+):
+    # vllm-0's second start prints for 2 s before it binds its port (as vLLM imports for seconds),
+    # and another user's process takes the port meanwhile: that start fails, and it is no restart
+    # spent (one allowed, used by the kill): vllm-0 moves to a fresh port and serves.
+    gym = launched(tmp_path, vllm_bin, gyms, 2, 1, "--set", "launch.restart.attempts=1", plan="0=ok,slow2,ok")
+    port = kill_replica(gym, "vllm-0")
+    wait_until(lambda: gym.log.count(f"vllm-0 starting (port {port})") == 2, "vllm-0's second start")
+    thief = Thief(port, 30, user=THIEF_USER)
+    try:
+        wait_until(thief.bound, "the thief on the port")
+        wait_until(lambda: (r := gym.replica("vllm-0"))["starts"] == 3 and r["state"] == "ready", "vllm-0 restarted")
+        moved = replica_port(gym, "vllm-0")
+        log = gym.log
+        assert re.search(
+            rf"vllm-0 exited with code 1 while starting .*, and another process holds its port {port}\n", log
+        )
+        assert f"vllm-0: port {port} is taken by {THIEF_WHO}" in log and f": moved to port {moved}" in log
+        assert "given up" not in log and not thief.got()
     finally:
         thief.stop()
     assert gym.stop() == 0
