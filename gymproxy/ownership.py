@@ -12,6 +12,7 @@ key. gymproxy's own user is trusted (its processes can read the key in the repli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pwd
@@ -144,11 +145,22 @@ class Owner:
             if found is None or found[0] not in PENDING:
                 break
             await asyncio.sleep(SETTLE_S)
-        else:
+        if found is not None and found[0] in PENDING:
             return f"the server on {self.name}'s port has not taken the connection"
-        if found is not None and found[1] != self.uid:
+        if found is None:
+            _blind()
+        elif found[1] != self.uid:
             return f"the server on {self.name}'s port is not {self.name}: it is {user(found[1])}'s"
         return self.before()
+
+
+@functools.cache
+def _blind() -> None:
+    """Said once: the socket tables cannot be read here, so a replica's port is checked by its pidfd alone."""
+    log.warning(
+        "the kernel's socket tables cannot be read here (sock_diag, /proc/net/tcp): a connection to a "
+        "launched replica's port is checked by the replica's process alone, not by who listens there"
+    )
 
 
 def server_end(sock: Any) -> tuple[int, int] | None:

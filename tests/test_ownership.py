@@ -134,3 +134,34 @@ def test_the_holder_of_a_port_is_named_with_its_process(stranger: Listener):
         assert holder(port) == "a socket bound and not listening (the kernel does not say whose)"
         sock.listen()
         assert holder(port).startswith(f"{ownership.user(os.geteuid())}, pid {os.getpid()}: ")
+
+
+async def test_where_the_socket_tables_cannot_be_read_the_process_alone_decides_and_that_is_said_once(
+    own: Listener, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.setattr(ownership, "server_end", lambda sock: None)
+    ownership._blind.cache_clear()
+    owner = Owner("vllm-0")
+    owner.runs(Process.of(own.process.pid))
+    reader, writer = await asyncio.open_connection("127.0.0.1", own.port)
+    try:
+        for _ in range(3):
+            assert await owner.after(writer.get_extra_info("socket")) is None
+    finally:
+        writer.close()
+    assert caplog.text.count("the kernel's socket tables cannot be read here") == 1
+    owner.runs(None)
+    assert await owner.after(None) == "vllm-0's process is not running"
+
+
+async def test_a_server_end_not_taken_yet_is_waited_for_and_then_refused(
+    own: Listener, monkeypatch: pytest.MonkeyPatch
+):
+    # A request socket (TCP_NEW_SYN_RECV) shows uid 0 in sock_diag, whoever listens: never trusted.
+    owner = Owner("vllm-0")
+    owner.runs(Process.of(own.process.pid))
+    answers = iter([(12, 0), (12, 0), (1, os.geteuid())])
+    monkeypatch.setattr(ownership, "server_end", lambda sock: next(answers))
+    assert await owner.after(object()) is None
+    monkeypatch.setattr(ownership, "server_end", lambda sock: (12, os.geteuid()))
+    assert await owner.after(object()) == "the server on vllm-0's port has not taken the connection"
