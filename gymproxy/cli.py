@@ -237,7 +237,7 @@ def _write_states(path: Path | None, launcher: launch.Launcher) -> None:
     """The replicas' states for the workers' /health (replaced whole, so a reader never sees half)."""
     if path is None:
         return
-    data = msgspec.json.encode(launcher.states())
+    data = msgspec.json.encode(launcher.states(processes=True))
     if path.exists() and path.read_bytes() == data:
         return
     temporary = path.with_name(path.name + ".new")

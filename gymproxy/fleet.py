@@ -12,6 +12,10 @@ An upstream gymproxy launched itself (a `launch.py` replica) is `closed` while i
 not serving (loading, restarting, given up): nothing is sent to its port then, not a request and not
 a health check, because any local process may have bound that port meanwhile. Only its owner
 (`Fleet.ready`) opens it again; health checks and answers mark an open one down and up as usual.
+Its owner's notice comes some milliseconds after the replica dies, so the client also asks the
+replica's `ownership.Owner` before and after opening any connection to its port (`Fleet.own`): one
+whose process has exited, or whose server is another user's, is refused before a byte is sent, and
+a request it dropped when it died goes to another upstream, not to its port again.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from .errors import (
     UpstreamTimeout,
     describe,
 )
-from .http1 import Aborted, CannotConnect, Client, ClientError, Reply
+from .http1 import Aborted, CannotConnect, Client, ClientError, Guard, Reply
 from .metrics import Metrics, label
 from .pause import Engines, Holds
 from .pinning import Pinner, Signer
 from .retry import (
     ABANDON,
     ANSWER,
+    DROPPED,
     FAIL,
     GIVE_UP,
     HERE,
@@ -124,6 +129,13 @@ class Fleet:
         self.engines = Engines(self.holds, self._is_paused)
         self.joining: Callable[[Upstream], None] | None = None  # told when an upstream turns healthy
 
+    def own(self, upstream: Upstream, owner: Guard) -> None:
+        """`owner` says who may be behind the upstream's port (a launched replica's `ownership.Owner`):
+        every connection the fleet opens there, for any purpose, asks it first (`Client.guard`)."""
+        upstream.owner = owner
+        if self._opened:
+            self.client.guard(upstream.root, owner)
+
     def open(self) -> None:
         """Make the upstream client (it needs the running loop)."""
         timeouts, limits = self.config.timeouts, self.config.limits
@@ -136,6 +148,9 @@ class Fleet:
             max_error_reply=limits.max_error_reply_size,
         )
         self._opened = True
+        for upstream in self.known():
+            if upstream.owner is not None:
+                self.client.guard(upstream.root, upstream.owner)
 
     def update(self, specs: Sequence[UpstreamSpec], *, drained: Collection[str] = ()) -> Change:
         """Make the fleet `specs`, matched by name (`upstream_name`); the ones named in `drained` are
@@ -160,7 +175,7 @@ class Fleet:
                 log.info("upstream %s added: it takes sessions once its /health answers 200", upstream.url)
                 self._spawn(self._check(upstream))
             elif upstream.spec != spec:
-                upstream.configure(spec, self.config)
+                self._configure(upstream, spec)
                 change.changed.append(name)
                 log.info("upstream %s changed in place (url, key or weight)", upstream.url)
             if name in drained:
@@ -184,6 +199,15 @@ class Fleet:
         if not active and (change.removed or self.drained):
             log.warning("the fleet has no upstream left: requests get 503 until one is added")
         return change
+
+    def _configure(self, upstream: Upstream, spec: UpstreamSpec) -> None:
+        """A new URL, key or weight for a known upstream; its owner (if any) guards its new address."""
+        if upstream.owner is not None and self._opened:
+            self.client.guard(upstream.root, None)
+            self.client.close_idle(upstream.root)
+        upstream.configure(spec, self.config)
+        if upstream.owner is not None and self._opened:
+            self.client.guard(upstream.root, upstream.owner)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         if not self._opened:  # not serving yet: the first round of health checks will look
@@ -282,7 +306,8 @@ class Fleet:
                     upstream.breaker.abandon()
                     raise
                 error: GymproxyError = exc
-                decision = tries.decide(upstream, kind, fleet=len(self.upstreams), now=loop.time())
+                gone = self._exited(upstream) if kind in DROPPED else None
+                decision = tries.decide(upstream, kind, fleet=len(self.upstreams), now=loop.time(), gone=gone)
                 if decision.action == PROBE:
                     decision = tries.decide(
                         upstream, kind, fleet=len(self.upstreams), now=loop.time(), gone=await self._gone(upstream)
@@ -341,6 +366,15 @@ class Fleet:
             failure.__cause__ = error
             return failure
         return error
+
+    def _exited(self, upstream: Upstream) -> bool | None:
+        """True when the upstream is a launched replica whose process has exited (it is marked
+        down at once); None when that is not known (it may still be exiting: ask `_gone`)."""
+        why = None if upstream.owner is None else upstream.owner.before()
+        if why is None:
+            return None
+        self.mark(upstream, False, why)
+        return True
 
     async def _gone(self, upstream: Upstream) -> bool:
         """Whether `upstream`, which just dropped a request, is gone (`health.gone`); marked down

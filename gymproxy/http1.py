@@ -24,7 +24,8 @@ whether the host took another connection within `connect_timeout` of this one's 
 Every failure is a `ClientError`: `CannotConnect` (the request was never sent), `ConnectTimeout` and
 `ReadTimeout` (both also `TimeoutError`s), `BadReply` (the connection broke or the upstream broke
 HTTP; `ReplyTooLarge` when its body passed the reader's limit), or the `Aborted` reason given to
-`Reply.abort` or `Client.abort` (shutdown). A connection is reused only after a reply that was
+`Reply.abort` or `Client.abort` (shutdown); `Refused` (a `CannotConnect`) when the address's
+`Guard` would not have the connection (`Client.guard`). A connection is reused only after a reply that was
 read to its end, framed cleanly, and followed by nothing: a byte that arrives on a connection with no
 reply in progress closes it, so no reply is ever read as the answer to another request.
 
@@ -43,7 +44,7 @@ import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httptools
 from yarl import URL
@@ -68,6 +69,21 @@ class ClientError(Exception):
 
 class CannotConnect(ClientError):
     """No connection could be opened: the request was never sent."""
+
+
+class Refused(CannotConnect):
+    """The address's guard would not have the connection (`Client.guard`): nothing was sent."""
+
+
+class Guard(Protocol):
+    """Who may be behind an address (`Client.guard`; `ownership.Owner` is one): asked before a
+    connection to it is opened, and once it is open, before anything is sent on it."""
+
+    def before(self) -> str | None:
+        """Why no connection may be opened now; None: it may."""
+
+    async def after(self, sock: Any) -> str | None:
+        """Why nothing may be sent on `sock`, the new connection; None: it may."""
 
 
 class ConnectTimeout(ClientError, asyncio.TimeoutError):
@@ -620,6 +636,7 @@ class Client:
         self._replies: set[Reply] = set()  # in progress: what `abort` ends
         self._aborted: Aborted | None = None
         self._opening: dict[tuple[str, str, int], _Opening] = {}  # by host, while any opens
+        self._guards: dict[tuple[str, str, int], Guard] = {}
 
     async def request(
         self,
@@ -698,8 +715,11 @@ class Client:
             ) from None
         started = loop.time()
         opened = False
+        guard = self._guards.get(key)  # asked at its turn, just before it connects
         try:
             try:
+                if guard is not None and (why := guard.before()) is not None:
+                    raise Refused(f"not connecting to {host}:{port}: {why}")
                 opening = loop.create_connection(lambda: _Connection(loop, key), host, port, ssl=tls)
                 _, conn = await (opening if timeout is None else asyncio.wait_for(opening, timeout))
                 opened = True
@@ -718,7 +738,25 @@ class Client:
         finally:
             if turns.idle() and self._opening.get(key) is turns:
                 del self._opening[key]
+        if guard is not None:
+            try:
+                why = await guard.after(conn.transport.get_extra_info("socket") if conn.transport is not None else None)
+            except BaseException:
+                conn.close()
+                raise
+            if why is not None:
+                conn.close()
+                raise Refused(f"connected to {host}:{port}, and sent nothing: {why}")
         return conn
+
+    def guard(self, url: URL, guard: Guard | None) -> None:
+        """Ask `guard` before and after opening every connection to `url`'s host (scheme, host and
+        port) from now on; None: no more. Pooled connections are not asked again: one that was the
+        guard's to open stays with the server it reached."""
+        if guard is None:
+            self._guards.pop(self._key(url), None)
+        else:
+            self._guards[self._key(url)] = guard
 
     def abort(self, reason: Aborted) -> None:
         """End every reply in progress (a reader raises `reason`) and refuse new requests with it."""

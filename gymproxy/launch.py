@@ -2,19 +2,24 @@
 
 `prepare` plans the replicas (ports, GPUs, command lines) and raises `ConfigError` before anything
 starts; `Launcher` runs them. Replica i is upstream `vllm-<i>`, a `vllm serve` in its own process
-group on a port it keeps across restarts, so the fleet's upstream list never changes: the launcher
-only tells the fleet (`on_down` / `on_ready`) when one goes down or is ready again. Until the first
-replica is ready, any failure ends startup (`LaunchFailed`); after that an exit is restarted under
-`launch.restart`. `reaper.py` stops the groups if gymproxy dies without doing so.
+group on a port it keeps across restarts unless another process takes it (`_claim`: then it moves
+to a fresh one, or with `base_port` waits, and spends no restart), so the fleet's upstream list
+never changes: the launcher only tells the fleet (`on_down` / `on_ready`, and `Replica.url`) when
+one goes down, moves or is ready again. Until the first replica is ready, any failure ends startup
+(`LaunchFailed`); after that an exit is restarted under `launch.restart`. `reaper.py` stops the
+groups if gymproxy dies without doing so.
 
 A replica's port is a local port above 1024: while the replica restarts, another local process
-could bind it and be sent the sessions' prompts. So gymproxy holds each port itself (`hold_port`:
-bound with SO_REUSEPORT, never listening; Linux lets only the same user's sockets bind beside it,
-and vLLM sets SO_REUSEPORT), and a replica is ready only once the server on its port is proven to
-be it (`_ours`). Each replica has an API key of its own (`VLLM_API_KEY`, in its environment: argv
-is visible to every local user), which vLLM checks on `/v1/*` and the fleet sends with every
-request; the fleet sends nothing to a replica's port between `on_down` and `on_ready`. A
-replica's environment is gymproxy's without gymproxy's own secrets (`replica_environment`).
+could bind it and be sent the sessions' prompts. So a replica is ready only once the server on its
+port is proven to be it (`_ours`); the fleet sends nothing to a replica's port between `on_down`
+and `on_ready`; and since that notice comes milliseconds after the death, every connection the
+fleet opens to the port first asks the replica's `ownership.Owner` (its process alive, by pidfd;
+the server's end of the connection gymproxy's own user's). With `hold_ports`, gymproxy also holds
+each port itself (`hold_port`: bound with SO_REUSEPORT, never listening; Linux lets only the same
+user's sockets bind beside it, and vLLM sets SO_REUSEPORT with several API servers). Each replica
+has an API key of its own (`VLLM_API_KEY`, in its environment: argv is visible to every local
+user), which vLLM checks on `/v1/*` and the fleet sends with every request. A replica's
+environment is gymproxy's without gymproxy's own secrets (`replica_environment`).
 """
 
 from __future__ import annotations
@@ -32,13 +37,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 
-from . import tasks, vllm_errors
+from . import ownership, tasks, vllm_errors
 from .config import Config, ConfigError, Launch, UpstreamSpec
 
 log = logging.getLogger("gymproxy")
@@ -57,6 +62,7 @@ TAIL_LINES = 200  # output lines of a replica's latest life kept, to find why it
 SHOWN_LINES = 20  # ... and shown with an error
 LINE_MAX = 4096  # characters of one output line kept; the rest is cut (a replica may print anything)
 READY_POLL_S = 0.5
+PORT_WAIT_S = 1.0  # how often a replica's fixed port (`launch.base_port`) that another process took is looked at
 EXIT_POLL_S = 0.05  # how often a replica's exit is looked for without pidfds
 REAP_POLL_S = 0.002  # ... and once its pidfd said it exited, until the child watcher has reaped it
 TAIL_BYTES = 64 * 1024  # read back from the end of a replica's file (`launch.log_dir`) for its tail
@@ -137,8 +143,7 @@ class Replica:
     ) -> None:
         self.index = index
         self.name = f"vllm-{index}"
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}/v1"
+        self.port = port  # it may move to another (`Launcher._claim`)
         self.argv = argv
         self.env = env
         self.devices = devices  # its CUDA_VISIBLE_DEVICES (None: left as gymproxy's)
@@ -160,6 +165,11 @@ class Replica:
         self.log_start = 0  # with `log_dir`: where its latest life's output starts in its file
         self.stranger: str | None = None  # why the server on its port is not it, while that is so
         self.guard: socket.socket | None = None  # what holds its port while gymproxy runs (`hold_port`)
+        self.owner = ownership.Owner(self.name)  # its process while it runs: the fleet asks it before sending
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
 
     def status(self) -> dict[str, Any]:
         """What /health shows of it."""
@@ -372,10 +382,11 @@ def _ports(launch: Launch) -> list[int]:
     return quiet_ports(launch.replicas)
 
 
-def quiet_ports(count: int, ephemeral: Path = EPHEMERAL) -> list[int]:
+def quiet_ports(count: int, ephemeral: Path = EPHEMERAL, exclude: Collection[int] = ()) -> list[int]:
     """`count` free ports outside the kernel's ephemeral range, so no outgoing connection (gymproxy
     opens thousands) takes one as its local port while its replica restarts; a random start keeps
-    two gymproxies starting at once apart. Kernel-picked ports if no such range has room."""
+    two gymproxies starting at once apart. None of `exclude` (another replica's, free while it
+    restarts). Kernel-picked ports if no such range has room."""
     try:
         low, high = (int(part) for part in ephemeral.read_text().split())
     except (OSError, ValueError):
@@ -388,7 +399,7 @@ def quiet_ports(count: int, ephemeral: Path = EPHEMERAL) -> list[int]:
         ports: list[int] = []
         for step in range(size):
             port = first + (start + step) % size
-            if port_free(port):
+            if port not in exclude and port_free(port):
                 ports.append(port)
                 if len(ports) == count:
                     return ports
@@ -490,9 +501,12 @@ class Launcher:
             config, upstreams=specs, model=config.model or self.model, api_key=config.api_key or self.api_key
         )
 
-    def states(self) -> list[dict[str, Any]]:
-        """Each replica's state, for /health."""
-        return [replica.status() for replica in self.replicas]
+    def states(self, processes: bool = False) -> list[dict[str, Any]]:
+        """Each replica's state, for /health; with `processes`, also its process's pid and start time
+        (`process`, for the workers' `ownership.Owner`s), or null while none runs."""
+        if not processes:
+            return [replica.status() for replica in self.replicas]
+        return [{**replica.status(), "process": replica.owner.identity()} for replica in self.replicas]
 
     async def start(self) -> None:
         """Hold the replicas' ports, start the reaper and every replica (each supervised by a task of its own)."""
@@ -569,10 +583,17 @@ class Launcher:
     async def _keep(self, replica: Replica) -> None:
         """Run `replica`, and again after each exit for as long as `launch.restart` allows."""
         policy = self.launch.restart
-        while not self._stopping.is_set():
+        lost = False
+        while await self._claim(replica, lost):
             why = await self._run(replica)
             if self._stopping.is_set():
                 return
+            # A start that failed while another process holds its port lost the port to it after
+            # gymproxy looked: no restart is spent on that (`_claim` moves it).
+            lost = replica.ready_after is None and self._taken(replica)
+            if lost:
+                log.warning("%s %s, and another process holds its port %d", replica.name, why, replica.port)
+                continue
             if not self.serving:  # no replica was ever ready: startup failed
                 self._fail(replica, why)
                 return
@@ -604,6 +625,49 @@ class Launcher:
                 await asyncio.wait_for(self._stopping.wait(), delay)
             except asyncio.TimeoutError:
                 pass
+
+    async def _claim(self, replica: Replica, lost: bool) -> bool:
+        """Before each start, make sure the replica's port is free (`lost`: its last start failed
+        with the port taken). A port another process took is left to it, and costs no restart: the
+        replica moves to a fresh port (the fleet's upstream follows; its sessions keep their pins,
+        which name the replica), or with `launch.base_port` waits for its own, saying who holds it.
+        So a local user who takes the port can neither use up the restart budget nor keep the
+        replica out for good. False once gymproxy is stopping."""
+        said = None
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            if self.launch.hold_ports and replica.guard is None:
+                replica.guard = hold_port(replica.port)
+            if not (lost or self._taken(replica)):
+                return True
+            lost = False
+            port = replica.port
+            who = await loop.run_in_executor(None, ownership.holder, port)  # reads /proc: off the loop
+            if self.launch.base_port is None:
+                fresh = quiet_ports(1, exclude={r.port for r in self.replicas})[0]
+                replica.error = f"port {port} is taken by {who}: moved to port {fresh}"
+                log.warning("%s: %s (its sessions stay pinned to it)", replica.name, replica.error)
+                self._move(replica, fresh)
+                self._down(replica)  # the fleet's upstream, and the workers' file, follow it
+                continue
+            why = f"port {port} is taken by {who}; waiting for it (launch.base_port fixes the ports)"
+            if why != said:
+                said = replica.error = why
+                log.warning("%s: %s", replica.name, why)
+                self._down(replica)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), PORT_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    def _move(self, replica: Replica, port: int) -> None:
+        """The replica starts on `port` from now on (another process has its old one)."""
+        replica.port = port
+        replica.argv[-1] = str(port)  # `--port N` ends its command line (`prepare`)
+        if replica.guard is not None:
+            replica.guard.close()
+            replica.guard = None
 
     def _down(self, replica: Replica) -> None:
         """Tell the fleet why the replica is down now (each restart that fails says so anew)."""
@@ -640,10 +704,6 @@ class Launcher:
     async def _run(self, replica: Replica) -> str:
         """One life of `replica`, from its start to its exit; returns why it ended."""
         replica.state, replica.ready_after, replica.process = "starting", None, None
-        if self.launch.hold_ports and replica.guard is None:
-            replica.guard = hold_port(replica.port)
-        if self._taken(replica):
-            return f"cannot start: port {replica.port} is taken by another process"
         replica.starts += 1
         replica.started, replica.started_at = time.monotonic(), time.time()
         replica.tail.clear()  # an error names the lines of the life that failed
@@ -684,6 +744,7 @@ class Launcher:
             else:
                 output.close()
         replica.process = process
+        replica.owner.runs(ownership.Process.of(process.pid))
         self._tell_reaper(f"+{process.pid}")
         pump = asyncio.ensure_future(self._pump(replica, pipe))
         exited = asyncio.ensure_future(_exit_of(process))
@@ -729,6 +790,7 @@ class Launcher:
                 pump.cancel()
             self._tell_reaper(f"-{process.pid}")
             self._read_tail(replica)
+            replica.owner.runs(None)
         replica.exit_code = process.returncode
         found = replica.cause() if process.returncode else None
         if found is not None:
@@ -766,7 +828,7 @@ class Launcher:
         be the replica (`_ours`), reporting progress now and then."""
         report = time.monotonic() + self.launch.progress_interval_s
         replica.stranger = None
-        while not (await _healthy(replica.port) and await self._ours(replica)):
+        while not (await _healthy(replica.port, replica.owner) and await self._ours(replica)):
             await asyncio.sleep(READY_POLL_S)
             self._read_tail(replica)
             now = time.monotonic()
@@ -786,27 +848,29 @@ class Launcher:
         listener of gymproxy's own user can be there: /proc tells (else the replica finds out)."""
         if replica.guard is None:
             return not port_free(replica.port)
-        return bool(_listeners(replica.port))
+        return bool(ownership.listeners(replica.port))
 
     async def _ours(self, replica: Replica) -> bool:
         """Whether the server answering on the replica's port is the replica: its process runs,
         `/v1/models` refuses a wrong API key (401) and takes its own (200), and unless gymproxy holds
         the port for it (then only gymproxy's own user can listen there), the listening socket is
-        held by its process group (where /proc tells): the key is sent only once that is known,
-        so another user's process on the port never sees it."""
+        held by its process group (where /proc tells). Every probe's connection passes the
+        replica's `Owner` first (`_status`), so another user's process on the port is sent no
+        probe, and never the key."""
         process = replica.process
         if process is None or process.returncode is not None:
             return False
-        if replica.guard is None and _holds_listener(process.pid, replica.port) is False:
-            why = f"port {replica.port} is held by another process, not by {replica.name}'s"
-        elif await _status(replica.port, "/v1/models", secrets.token_urlsafe(16)) != 401:
-            why = f"the server on port {replica.port} does not check {replica.name}'s API key (a wrong one is not refused)"
-        elif (status := await _status(replica.port, "/v1/models", replica.api_key)) != 200:
-            why = (
-                f"the server on port {replica.port} refuses {replica.name}'s API key (GET /v1/models answered {status})"
-            )
-        else:
-            return True
+        try:
+            if replica.guard is None and ownership.holds_listener(process.pid, replica.port) is False:
+                why = f"port {replica.port} is held by another process, not by {replica.name}'s"
+            elif await _status(replica.port, "/v1/models", replica.owner, secrets.token_urlsafe(16)) != 401:
+                why = f"the server on port {replica.port} does not check {replica.name}'s API key (a wrong one is not refused)"
+            elif (status := await _status(replica.port, "/v1/models", replica.owner, replica.api_key)) != 200:
+                why = f"the server on port {replica.port} refuses {replica.name}'s API key (GET /v1/models answered {status})"
+            else:
+                return True
+        except Stranger as exc:
+            why = f"{replica.name}'s key was not sent: {exc}"
         if why != replica.stranger:
             replica.stranger = why
             log.warning("%s is not ready: %s", replica.name, why)
@@ -822,9 +886,11 @@ class Launcher:
         answered = time.monotonic()
         while True:
             await asyncio.sleep(poll)
-            status = await _status(
-                replica.port, "/health", timeout=HEALTH_TIMEOUT_S if limit is None else min(limit, HEALTH_TIMEOUT_S)
-            )
+            timeout = HEALTH_TIMEOUT_S if limit is None else min(limit, HEALTH_TIMEOUT_S)
+            try:
+                status = await _status(replica.port, "/health", replica.owner, timeout=timeout)
+            except Stranger:
+                status = None  # it is gone from its port: its exit is next
             if status is not None:
                 answered = time.monotonic()
                 self._answered(replica, status)
@@ -986,18 +1052,31 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-async def _healthy(port: int, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+async def _healthy(port: int, owner: ownership.Owner, timeout: float = HEALTH_TIMEOUT_S) -> bool:
     """Whether `GET /health` on the port answers 200 within `timeout` (each of connect and reply)."""
-    return await _status(port, "/health", timeout=timeout) == 200
+    try:
+        return await _status(port, "/health", owner, timeout=timeout) == 200
+    except Stranger:
+        return False
 
 
-async def _status(port: int, path: str, key: str | None = None, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
-    """The status of `GET path` on the port (with `key` as the bearer token), None when no status
-    line came within `timeout` (each of connect and reply)."""
+class Stranger(Exception):
+    """The replica's `Owner` refused the connection `_status` opened: nothing was sent on it."""
+
+
+async def _status(
+    port: int, path: str, owner: ownership.Owner, key: str | None = None, timeout: float = HEALTH_TIMEOUT_S
+) -> int | None:
+    """The status of `GET path` on the replica's port (with `key` as the bearer token), None when
+    no status line came within `timeout` (each of connect and reply); `Stranger` when its `owner`
+    refuses the connection (`Owner.after`: nothing is sent on it)."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     except (OSError, asyncio.TimeoutError):
         return None
+    if (refused := await owner.after(writer.get_extra_info("socket"))) is not None:
+        writer.close()
+        raise Stranger(refused)
     auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
     try:
         writer.write(b"GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n%s\r\n" % (path.encode(), auth))
@@ -1007,57 +1086,6 @@ async def _status(port: int, path: str, key: str | None = None, timeout: float =
         return None
     finally:
         writer.close()
-
-
-def _holds_listener(pgid: int, port: int) -> bool | None:
-    """Whether every socket listening on TCP `port` is held by a process of group `pgid`; None
-    where /proc cannot tell (not Linux, or its tables are unreadable)."""
-    listening = _listeners(port)
-    if listening is None:
-        return None
-    if not listening:
-        return False
-    held: set[str] = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            if Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[2] != str(pgid):
-                continue
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except (OSError, IndexError):
-            continue  # gone, or not ours to read
-        for fd in fds:
-            try:
-                held.add(os.readlink(f"/proc/{entry}/fd/{fd}"))
-            except OSError:
-                continue
-    return all(f"socket:[{inode}]" in held for inode in listening)
-
-
-def _listeners(port: int) -> set[str] | None:
-    """The inodes of the sockets listening on TCP `port` (IPv4 and IPv6), from /proc/net; None if unreadable."""
-    found: set[str] = set()
-    needle = f":{port:04X} "
-    read = False
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            text = Path(table).read_text()
-        except OSError:
-            continue
-        read = True
-        for line in text.splitlines()[1:]:
-            if needle not in line:
-                continue
-            fields = line.split()
-            # sl, local address, remote address, state (0A: LISTEN), ..., inode (the tenth)
-            if len(fields) > 9 and fields[1].endswith(needle.rstrip()) and fields[3] == "0A":
-                found.add(fields[9])
-    return found if read else None
 
 
 def _output_pipe() -> tuple[int, int]:

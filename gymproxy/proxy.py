@@ -117,6 +117,7 @@ class Proxy:
         # leading one (`routes.captured_messages`): learnt from them once, when first needed.
         self.merge_inline_system: bool | None = None
         self.connections: Callable[[], int] | None = None  # open client connections (`gymproxy serve`'s listener)
+        self.placed: dict[str, str] = {}  # launched replicas' URLs now, by name (`place`)
 
     async def start(self) -> None:
         """Open the upstream client, log what each upstream says, and start the health checks."""
@@ -145,8 +146,11 @@ class Proxy:
         ]
 
     def apply(self) -> Change:
-        """Make the fleet what the config, DNS discovery and the admin changes say together."""
+        """Make the fleet what the config, DNS discovery, the launcher (`place`) and the admin changes say together."""
         specs = {upstream_name(spec): spec for spec in [*upstream_specs(self.config), *self.discovered]}
+        for name, url in self.placed.items():
+            if name in specs and specs[name].url != url:
+                specs[name] = msgspec.structs.replace(specs[name], url=url)
         wanted, drained = self.overlay.apply(specs)
         most = self.config.limits.max_upstreams
         if len(wanted) > most:
@@ -162,6 +166,14 @@ class Proxy:
         else:
             self._capped = None
         return self.fleet.update(wanted, drained=drained)
+
+    def place(self, name: str, url: str) -> None:
+        """Launched replica `name` is at `url` now (it moved to a fresh port: its own was taken): its
+        upstream follows, changed in place, so the sessions pinned to it stay, and a reload, a DNS
+        round or an admin change keeps it there."""
+        if self.placed.get(name) != url:
+            self.placed[name] = url
+            self.apply()
 
     def reload(self, config: Config) -> list[str]:
         """Apply a re-read config live: its upstreams (`LIVE_KEYS`), with the admin changes on top.

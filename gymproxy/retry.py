@@ -19,7 +19,9 @@ is tested alone (tests/test_retry_policy.py); `Fleet.send` carries the decisions
   failure: the engine is fine, and every engine of the fleet pauses at once).
 - What an upstream dropped after it was written (`DROPPED`: closed or reset before a reply byte)
   may have been read, and may be what made it drop. A pooled connection closed so goes once to the
-  same upstream on a new connection (the upstream's idle close may have crossed it); a drop moves
+  same upstream on a new connection (the upstream's idle close may have crossed it), unless the
+  upstream is known to be gone (a launched replica whose process exited: its port may be anyone's
+  now, and its closing connections look just like idle closes); a drop moves
   to the next upstream once per request at most, and only when the one that dropped it is gone
   (the fleet probes its /health: an upstream killed mid-request drops its pooled connections and
   resets the new one). An upstream still up chose to drop that input (a query of death): it is not
@@ -118,7 +120,8 @@ class Attempts:
     ) -> Decision:
         """What follows a send to `upstream` that failed with `kind` (`failure_kind`, `busy_kind`, or
         `full`: the upstream is at its cap); `fleet`: how many upstreams serve; `retry_after`: the
-        503's own Retry-After; `gone`: for a drop, whether the upstream is gone (after PROBE)."""
+        503's own Retry-After; `gone`: for a drop, whether the upstream is gone (after PROBE, or
+        known before: a launched replica whose process exited)."""
         self.here = False
         if kind == "crowded":
             self.sends += 1
@@ -139,7 +142,7 @@ class Attempts:
             self.reason = "busy"
             return Decision(MOVE, ABANDON)
         if kind in DROPPED:
-            if kind == "stale" and not (self.retried_here or self.resent):
+            if kind == "stale" and not (self.retried_here or self.resent or gone):
                 self.here = self.fresh = self.retried_here = True
                 return Decision(HERE)
             if self.single:

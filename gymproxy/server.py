@@ -34,6 +34,7 @@ from .config import Config, ConfigError
 from .errors import quiet_malformed_requests
 from .launch import Launcher, LaunchFailed
 from .listener import ConnectionCap
+from .ownership import Owner, Process
 from .peers import Peers
 from .plugin import PROXIES, admin_app, create_app
 from .proxy import Proxy
@@ -210,19 +211,27 @@ def follow(launcher: Launcher, proxy: Proxy) -> None:
     """Keep the fleet in step with the replicas: one that exits is closed at once (its sessions
     move on their next request, and nothing more goes to its port, whoever binds it next), one
     ready again takes new sessions at once; /health lists them all. A replica not ready yet takes
-    no sessions until it is, then joins as an upstream added live (`Upstream.fresh`)."""
+    no sessions until it is, then joins as an upstream added live (`Upstream.fresh`). Every
+    connection to a replica's port asks its `ownership.Owner` first (`Fleet.own`), and a replica
+    that moved to another port (its own was taken) is followed there (`Proxy.place`)."""
     fleet = proxy.fleet
     proxy.replicas = launcher.states
+    replicas = {replica.name: replica for replica in launcher.replicas}
 
     def down(name: str, why: str) -> None:
+        proxy.place(name, replicas[name].url)
         if (u := fleet.find(name)) is not None:
             fleet.close(u, why)
 
     def ready(name: str) -> None:
+        proxy.place(name, replicas[name].url)
         if (u := fleet.find(name)) is not None:
             fleet.ready(u)
 
     launcher.on_down, launcher.on_ready = down, ready
+    for replica in launcher.replicas:
+        if (u := fleet.find(replica.name)) is not None:
+            fleet.own(u, replica.owner)
     for state in launcher.states():
         if state["state"] != "ready" and (u := fleet.find(state["name"])) is not None:
             fleet.hold(u, _not_ready(state))
@@ -231,11 +240,15 @@ def follow(launcher: Launcher, proxy: Proxy) -> None:
 def follow_file(path: Path, proxy: Proxy) -> Callable[[web.Application], AsyncIterator[None]]:
     """A worker's view of the replicas its parent runs, from the states it writes to `path`:
     /health shows them, and the fleet opens and closes each replica as they say (looked at every
-    `FOLLOW_POLL_S`). A worker never opens a replica by itself: a closed one waits for the file
-    to say it is ready. Returns the app's cleanup context that runs the watch."""
+    `FOLLOW_POLL_S`), and follows one that moved to another port. A worker never opens a replica
+    by itself: a closed one waits for the file to say it is ready. The replica's process (its pid
+    and start time in the file) is this worker's own `ownership.Owner` of the replica, which every
+    connection to its port asks first: the worker learns of its exit from the kernel, not the file.
+    Returns the app's cleanup context that runs the watch."""
     fleet = proxy.fleet
     seen: tuple[int, int, int] | None = None
     states: list[dict[str, Any]] = []
+    owners: dict[str, tuple[Owner, Any]] = {}  # by replica: its owner, and the process it follows
 
     def load() -> bool:
         """Read the file if it changed (it is replaced whole, so each write is a new inode)."""
@@ -248,6 +261,17 @@ def follow_file(path: Path, proxy: Proxy) -> Callable[[web.Application], AsyncIt
             states = cast(list[dict[str, Any]], msgspec.json.decode(path.read_bytes()))
         except (OSError, msgspec.DecodeError):
             return False
+        for state in states:
+            name, identity = state["name"], state.pop("process", None)  # [pid, start time] or null
+            if name not in owners:
+                owners[name] = (Owner(name), None)
+                if (u := fleet.find(name)) is not None:
+                    fleet.own(u, owners[name][0])
+            owner, known = owners[name]
+            if identity != known:
+                owner.runs(Process.of(*identity) if identity else None)
+                owners[name] = (owner, identity)
+            proxy.place(name, state["url"])
         return True
 
     def apply() -> None:

@@ -19,7 +19,7 @@ from yarl import URL
 
 from .config import Config, UpstreamSpec
 from .errors import Saturated, Unavailable, UpstreamError, UpstreamTimeout, describe
-from .http1 import Aborted, ClientError, Reply, ReplyTooLarge
+from .http1 import Aborted, ClientError, Guard, Reply, ReplyTooLarge
 
 log = logging.getLogger("gymproxy")
 
@@ -66,6 +66,7 @@ class Upstream:
         "failed_checks",
         "answered",
         "closed",
+        "owner",
         "breaker",
         "meter",
         "tally",
@@ -89,6 +90,7 @@ class Upstream:
         self.failed_checks = 0  # consecutive failed health checks
         self.answered = False  # it has answered once (a health check, a request): see `Fleet._check`
         self.closed: str | None = None  # why its owner (the launcher) says it is not serving; see `Fleet.close`
+        self.owner: Guard | None = None  # who may be behind its port (a launched replica's); see `Fleet.own`
         self.breaker = Breaker(self.url, failures=config.breaker.failures, cooldown=config.breaker.cooldown_s)
         self.meter = Pace(config.pinning.pace.window_s)
         self.version: str | None = None  # its weight version, once known (`set_version`)

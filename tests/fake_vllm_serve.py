@@ -22,10 +22,13 @@ As vLLM does, it checks an API key on every `/v1/*` route when it has one (`--ap
 $VLLM_API_KEY): a request without `Authorization: Bearer <key>` gets 401; `/health` stays open. With
 VLLM_SERVER_DEV_MODE=1 it serves vLLM's RL routes (`/pause`, `/resume`, `/update_weight_version`, ...),
 and with FAKE_VLLM_PAUSED_503=1 answers new requests in an abort or wait pause 503, as vLLM 0.33 does.
+With FAKE_VLLM_SLOW=<seconds>, a request whose body holds `[[slow]]` is answered that much later (so
+a test can have requests in flight when it kills a replica).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -116,6 +119,16 @@ def main() -> None:
             return await handler(request)
 
         app.middlewares.append(authenticate)
+    slow = float(os.environ.get("FAKE_VLLM_SLOW", "0"))
+    if slow:
+
+        @web.middleware
+        async def slowly(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.can_read_body and b"[[slow]]" in await request.read():
+                await asyncio.sleep(slow)
+            return await handler(request)
+
+        app.middlewares.append(slowly)
     if action.startswith("sick"):
         sick_after = time.monotonic() + float(action[4:])
 

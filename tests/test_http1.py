@@ -33,6 +33,7 @@ from gymproxy.http1 import (
     Client,
     ConnectTimeout,
     ReadTimeout,
+    Refused,
     Reply,
     ReplyTooLarge,
     _Connection,
@@ -611,6 +612,61 @@ async def test_connection_refused_is_cannot_connect(client: Client) -> None:
         port = sock.getsockname()[1]  # bound, never listening: connections are refused
         with pytest.raises(CannotConnect, match=f"127.0.0.1:{port}"):
             await client.request("POST", URL(f"http://127.0.0.1:{port}/v1/models"), {}, b"{}")
+    assert client.in_use == 0
+
+
+class Gate:
+    """A guard that answers what it is told to, and records what it was asked."""
+
+    def __init__(self) -> None:
+        self.refuse_before: str | None = None
+        self.refuse_after: str | None = None
+        self.asked: list[str] = []
+
+    def before(self) -> str | None:
+        self.asked.append("before")
+        return self.refuse_before
+
+    async def after(self, sock: Any) -> str | None:
+        self.asked.append(f"after {sock.getpeername()[1]}")
+        return self.refuse_after
+
+
+async def test_a_guard_is_asked_before_and_after_each_new_connection_and_either_refusal_sends_nothing(
+    client: Client,
+) -> None:
+    seen: list[bytes] = []
+
+    async def serve(reader, writer):
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(ok(b"{}"))
+
+    async with Scripted(serve) as server:
+        url = server.url()
+        gate = Gate()
+        client.guard(url, gate)
+        for _ in range(2):  # the second goes on the pooled connection: not asked again
+            reply = await client.request("POST", url, {}, b"{}")
+            assert await reply.read() == b"{}"
+            reply.release()
+        assert gate.asked == ["before", f"after {url.port}"] and server.connections == 1
+        gate.refuse_before = "its process is not running"
+        with pytest.raises(Refused, match=f"not connecting to 127.0.0.1:{url.port}: its process is not running"):
+            await client.request("POST", url, {}, b"{}", fresh=True)
+        assert server.connections == 1  # no connection was opened
+        gate.refuse_before, gate.refuse_after = None, "the server is another user's"
+        with pytest.raises(Refused, match="and sent nothing: the server is another user's"):
+            await client.request("POST", url, {}, b"{}", fresh=True)
+        for _ in range(100):
+            if server.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == 2 and server.closed == 1 and len(seen) == 2  # connected, and not a byte sent
+        client.guard(url, None)
+        reply = await client.request("POST", url, {}, b"{}", fresh=True)
+        reply.release()
+        assert len(gate.asked) == 5 and len(seen) == 3
     assert client.in_use == 0
 
 

@@ -84,6 +84,15 @@ def test_a_stale_pooled_connection_goes_once_to_the_same_upstream_on_a_new_one()
     assert tries.decide("a", "stale", fleet=2, now=0.0).action == PROBE  # the second is a drop
 
 
+def test_a_stale_close_by_an_upstream_known_to_be_gone_moves_at_once():
+    # A launched replica whose process exited closes its pooled connections just as an idle close
+    # does; its port may be anyone's now, so the request goes to the next upstream, not there again.
+    tries = attempts()
+    decision = tries.decide("a", "stale", fleet=2, now=0.0, gone=True)
+    assert (decision.action, decision.breaker) == (MOVE, FAIL) and tries.resent and not tries.retried_here
+    assert attempts(single=True).decide("a", "stale", fleet=1, now=0.0, gone=True).action == GIVE_UP
+
+
 @pytest.mark.parametrize("kind", ["closed", "reset"])
 def test_a_drop_by_an_upstream_still_up_is_not_handed_to_another(kind):
     tries = attempts()
