@@ -121,7 +121,14 @@ class Gym:
     def wait_serving(self) -> None:
         """Listening (at once), and one replica ready: /health answers 200."""
         self.wait_listening()
-        wait_until(lambda: self.health().get("status") == "ok" or self.process.poll() is not None, "a replica ready")
+
+        def ready() -> bool:
+            try:
+                return self.health().get("status") == "ok"
+            except urllib.error.URLError:  # refused: it is stopping (its log says why)
+                return self.process.poll() is not None
+
+        wait_until(lambda: ready() or self.process.poll() is not None, "a replica ready")
         assert self.process.poll() is None, self.log[-4000:]
 
     def wait_exit(self, timeout: float = WAIT_S) -> int:

@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -298,3 +299,27 @@ async def test_a_store_that_cannot_be_opened_says_where(tmp_path: Path) -> None:
         open_store("sqlite://nope.db", Bounds())
     with pytest.raises(StoreError, match="neither"):
         open_store("postgres://x", Bounds())
+
+
+def test_workers_opening_a_new_sqlite_file_at_once_all_start(tmp_path: Path) -> None:
+    # `--workers` open the store together; SQLite answers a journal-mode change "database is
+    # locked" at once, without its busy handler, and a worker failing there stopped gymproxy (one
+    # opener in ten failed before). Connections on threads contend as processes do, and start closer.
+    failed: list[BaseException] = []
+
+    def open_at(store: SQLiteStore, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        try:
+            store._open().close()
+        except BaseException as exc:
+            failed.append(exc)
+
+    for round_ in range(100):
+        url = f"sqlite:///{tmp_path / f'r{round_}.db'}"
+        barrier = threading.Barrier(6)
+        threads = [threading.Thread(target=open_at, args=(SQLiteStore(url, Bounds()), barrier)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not failed, failed[:3]

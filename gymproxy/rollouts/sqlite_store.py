@@ -90,9 +90,30 @@ def path_of(url: str) -> Path:
 
 def connect(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=NORMAL")
+    try:
+        _wal(db)
+        db.execute("PRAGMA synchronous=NORMAL")
+    except BaseException:
+        db.close()
+        raise
     return db
+
+
+def _wal(db: sqlite3.Connection) -> None:
+    """Put the file in WAL mode, waiting up to `BUSY_TIMEOUT_S` for the other processes opening it
+    (`--workers` start together): SQLite answers "database is locked" to a journal-mode change at
+    once, without its busy handler."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    pause = 0.001
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class SQLiteStore:
@@ -195,7 +216,7 @@ class SQLiteStore:
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         db = connect(self.path)
-        db.executescript(SCHEMA)
+        db.executescript(f"BEGIN IMMEDIATE; {SCHEMA} COMMIT;")  # the write lock first: its wait is the busy handler's
         self._frozen = {row[0] for row in db.execute("SELECT id FROM rollouts WHERE state = 'frozen'")}
         return db
 
