@@ -506,7 +506,7 @@ def test_a_reload_reads_every_file_and_override_again(tmp_path: Path) -> None:
 def _migration_command() -> str:
     """The command of the README's "From NeMo Gym's `vllm_model` server" paragraph, as written."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Migrating") :]
+    section = readme[readme.index("## Coming from NeMo Gym") :]
     paragraph = " ".join(section[section.index("**From NeMo Gym's `vllm_model` server.**") :].split("\n\n")[0].split())
     return paragraph.split("Run `", 1)[1].split("`", 1)[0]
 

@@ -97,7 +97,8 @@ def test_null_fields_count_as_not_sent():
     assert body == {"messages": [USER_X]}
 
 
-# A meaning gymproxy cannot honour: answering anyway would answer another request (README table).
+# A meaning gymproxy cannot honour: answering anyway would answer another request (docs/routes.md,
+# "Responses request fields").
 REFUSED = {
     "background": True,
     "context_management": [{"type": "compaction", "compact_threshold": 1000}],

@@ -157,7 +157,7 @@ def test_replayed_namespaced_calls_are_renamed_in_the_history():
 
 def test_bookkeeping_fields_are_accepted_and_store_is_not_sent():
     # test_drops_unknown_top_level_fields: NeMo Gym drops client_metadata and prompt_cache_key and
-    # forwards `store`; gymproxy accepts all three and sends none (README: "Responses request fields").
+    # forwards `store`; gymproxy accepts all three and sends none (docs/routes.md: "Responses request fields").
     body = {"input": [], "stream": True, "client_metadata": {"x": 1}, "prompt_cache_key": "abc", "store": False}
     nemo_gym = {"model": MODEL, "messages": [], "store": False}
     assert upstream(body) == {k: v for k, v in nemo_gym.items() if k != "store"}

@@ -687,8 +687,8 @@ def test_a_process_on_a_restarting_replicas_port_gets_no_prompt(
 
 # Another local user is who the checks are about (gymproxy's own user is trusted: its processes can
 # read a replica's key anyway). Without root the thief runs as this user, and what keeps it out is
-# then the replica's pidfd alone, which leaves a window of microseconds (README, "A replica's port
-# and key").
+# then the replica's pidfd alone, which leaves a window of microseconds (docs/launch.md, "A replica's
+# port and key").
 THIEF_USER = 65534 if os.geteuid() == 0 and SYSTEM_PYTHON is not None else None
 THIEF_WHO = "uid 65534 (nobody), pid " if THIEF_USER is not None else f"uid {os.geteuid()}"
 CHAT_SLOW = {"model": "m", "messages": [{"role": "user", "content": "hi [[slow]]"}]}  # FAKE_VLLM_SLOW

@@ -255,7 +255,7 @@ class ResponsesRequest(Strict, kw_only=True):
     """`POST /v1/responses`: every field of openai-python 3.57's `ResponseCreateParams`, and Codex
     CLI's `client_metadata`. A null field counts as not sent, as in NeMo Gym (exclude-none).
 
-    README's "Responses request fields" says what becomes of each.
+    docs/routes.md's "Responses request fields" says what becomes of each.
     """
 
     # Sent to vLLM (converted by `convert/request.py`).
