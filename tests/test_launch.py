@@ -1202,6 +1202,7 @@ def test_replica_ports_are_free_and_outside_the_ephemeral_range(tmp_path: Path, 
     # A taken port is passed over: the scan starts at a listener's port.
     ephemeral.write_text("32768 60999")
     with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: past a TIME_WAIT there
         taken.bind(("127.0.0.1", ports[0]))
         taken.listen()
         monkeypatch.setattr("gymproxy.launch.random.randrange", lambda size: ports[0] - PORT_FLOOR)
