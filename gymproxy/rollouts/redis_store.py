@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 from . import redis_scripts as lua
 from .record import FAILED, Call, Rollout, State, Summary, decode_call, encode_call, numbered
 from .redis_scripts import FROZEN, OPEN, PROBE, UPDATED, Keys
-from .store import Bounds, Stats, StoreError
+from .store import Bounds, Stats, StoreError, queued
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -133,10 +133,10 @@ class RedisStore:
         self._task = asyncio.ensure_future(self._write_loop())
 
     def begin(self, call: Call) -> bool:
-        return self._put(("begin", call, None))
+        return queued(self._pending, ("begin", call, None), self.bounds, self.stats)
 
     def end(self, call: Call) -> bool:
-        return self._put(("end", call, None))
+        return queued(self._pending, ("end", call, None), self.bounds, self.stats)
 
     def available(self) -> bool:
         return not self._down and not self._failing and len(self._pending) < self.bounds.max_pending
@@ -145,7 +145,7 @@ class RedisStore:
         if rollout_id not in self._frozen and not await self._frozen_in_redis(rollout_id):
             return True
         self.stats.refused += 1
-        self._put(("refuse", rollout_id, None))
+        queued(self._pending, ("refuse", rollout_id, None), self.bounds, self.stats)
         return False
 
     async def get(self, rollout_id: str) -> Rollout | None:
@@ -177,13 +177,6 @@ class RedisStore:
         client, self._client = self._client, None
         if client is not None:
             await client.aclose()
-
-    def _put(self, op: Op) -> bool:
-        if len(self._pending) >= self.bounds.max_pending:
-            self.stats.dropped += 1
-            return False
-        self._pending.append(op)
-        return True
 
     async def _awaited(self, kind: str, rollout_id: str) -> Any:
         if self._task is None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .record import Call, Rollout, State, Summary, decode_call, encode_call, numbered
-from .store import Bounds, Stats, StoreError
+from .store import Bounds, Stats, StoreError, queued
 
 log = logging.getLogger("gymproxy")
 
@@ -143,10 +143,10 @@ class SQLiteStore:
         self._thread.start()
 
     def begin(self, call: Call) -> bool:
-        return self._put(("begin", call, None))
+        return queued(self._pending, ("begin", call, None), self.bounds, self.stats)
 
     def end(self, call: Call) -> bool:
-        return self._put(("end", call, None))
+        return queued(self._pending, ("end", call, None), self.bounds, self.stats)
 
     def available(self) -> bool:
         return not self._failing and len(self._pending) < self.bounds.max_pending
@@ -155,7 +155,7 @@ class SQLiteStore:
         if rollout_id not in self._frozen:
             return True
         self.stats.refused += 1
-        self._put(("refuse", rollout_id, None))
+        queued(self._pending, ("refuse", rollout_id, None), self.bounds, self.stats)
         return False
 
     async def get(self, rollout_id: str) -> Rollout | None:
@@ -184,13 +184,6 @@ class SQLiteStore:
             await asyncio.to_thread(thread.join)
             self._thread = None
         self._reader.shutdown(wait=False)
-
-    def _put(self, op: Op) -> bool:
-        if len(self._pending) >= self.bounds.max_pending:
-            self.stats.dropped += 1
-            return False
-        self._pending.append(op)
-        return True
 
     async def _awaited(self, kind: str, rollout_id: str) -> Any:
         if self._thread is None:

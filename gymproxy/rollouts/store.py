@@ -9,7 +9,8 @@ batches off the event loop. Reads, `freeze` and `delete` are awaited.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import deque
+from typing import Any, Protocol
 
 import msgspec
 
@@ -85,6 +86,16 @@ class Store(Protocol):
 
     async def close(self) -> None:
         """Write everything queued, then close (SIGTERM's flush)."""
+
+
+def queued(pending: deque[Any], op: Any, bounds: Bounds, stats: Stats) -> bool:
+    """Append a write to a store's queue, unless `bounds.max_pending` wait there already (then it
+    is counted as dropped and False is returned)."""
+    if len(pending) >= bounds.max_pending:
+        stats.dropped += 1
+        return False
+    pending.append(op)
+    return True
 
 
 class StoreError(Exception):
