@@ -475,6 +475,15 @@ async def serving(aiohttp_server: Any, fake: FakeVLLM) -> FakeVLLM:
     return fake
 
 
+async def late_engine(
+    aiohttp_server: Any, route: str, *delays: float, **options: Any
+) -> tuple[FakeVLLM, asyncio.Event]:
+    """A dev-mode engine serving, whose `route` answers late (`late`), and the event `late` sets."""
+    slow = FakeVLLM(dev_mode=True, **options)
+    carried = late(slow, route, *delays)
+    return await serving(aiohttp_server, slow), carried
+
+
 async def status_of(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url + "/fleet/status") as r:
         assert r.status == 200
@@ -488,9 +497,8 @@ async def test_an_engine_that_pauses_after_the_barrier_gave_up_is_resumed_once_i
     /pause, resumes it once it answers, and /fleet/status says so meanwhile. Every session after is
     served at once (before, a third of them waited out `hold.timeout_s` for a 503)."""
     fakes = await engines(aiohttp_server, 2, paused_503=True)
-    slow = FakeVLLM(dev_mode=True, paused_503=True)
-    paused_late = late(slow, "/pause", 1.0)
-    fakes.insert(1, await serving(aiohttp_server, slow))
+    slow, paused_late = await late_engine(aiohttp_server, "/pause", 1.0, paused_503=True)
+    fakes.insert(1, slow)
     url, proxy = await gymproxy_for(
         aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"timeout_s": 3, "poll_s": 0.05}
     )
@@ -522,9 +530,8 @@ async def test_a_second_pause_waits_for_the_late_one_and_the_engine_stays_paused
     """A second /fleet/pause while the first's /pause to an engine is still open: the new /pause goes
     once the open one ended (never two at once), the barrier succeeds, and nothing resumes the engine."""
     fakes = await engines(aiohttp_server, 1)
-    slow = FakeVLLM(dev_mode=True)
-    late(slow, "/pause", 1.2)
-    fakes.append(await serving(aiohttp_server, slow))
+    slow, _ = await late_engine(aiohttp_server, "/pause", 1.2)
+    fakes.append(slow)
     url, proxy = await gymproxy_for(
         aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
     )
@@ -546,9 +553,8 @@ async def test_a_resume_while_a_late_pause_is_open_leaves_no_engine_paused(aioht
     """/fleet/resume while a failed barrier's /pause is still open: that engine's /resume is not sent
     ahead of it (the late pause would land after it and stick); it is resumed once the pause ends."""
     fakes = await engines(aiohttp_server, 1)
-    slow = FakeVLLM(dev_mode=True)
-    paused_late = late(slow, "/pause", 1.0)
-    fakes.append(await serving(aiohttp_server, slow))
+    slow, paused_late = await late_engine(aiohttp_server, "/pause", 1.0)
+    fakes.append(slow)
     url, proxy = await gymproxy_for(
         aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.3}, hold={"poll_s": 0.05}
     )
@@ -570,9 +576,8 @@ async def test_a_late_resume_never_lands_after_the_next_pause(aiohttp_server):
     engine's /pause waits for its open /resume, so the fleet is paused with every engine in it
     (before, the late /resume landed after the /pause: that engine ran on while the fleet was paused)."""
     fakes = await engines(aiohttp_server, 1)
-    slow = FakeVLLM(dev_mode=True)
-    resumed_late = late(slow, "/resume", 1.2)
-    fakes.append(await serving(aiohttp_server, slow))
+    slow, resumed_late = await late_engine(aiohttp_server, "/resume", 1.2)
+    fakes.append(slow)
     url, proxy = await gymproxy_for(
         aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.8}, hold={"poll_s": 0.05}
     )
@@ -625,9 +630,8 @@ async def test_a_trainer_that_leaves_mid_barrier_does_not_leave_the_fleet_half_p
     the barrier runs to its end all the same, so it fails and resumes the engine that paused
     (before, the handler was cancelled halfway: the gate stayed closed, one engine paused)."""
     fakes = await engines(aiohttp_server, 1)
-    slow = FakeVLLM(dev_mode=True)
-    late(slow, "/pause", 0.8)
-    fakes.append(await serving(aiohttp_server, slow))
+    slow, _ = await late_engine(aiohttp_server, "/pause", 0.8)
+    fakes.append(slow)
     url, proxy = await gymproxy_for(
         aiohttp_server, fakes, fleet_control={"pause_timeout_s": 0.4}, hold={"poll_s": 0.05}
     )
@@ -647,9 +651,8 @@ async def test_a_shutdown_with_an_engine_unsettled_exits_and_names_it(aiohttp_se
     from .served import Served
 
     fakes = await engines(aiohttp_server, 1)
-    slow = FakeVLLM(dev_mode=True)
-    late(slow, "/pause", 30.0)
-    fakes.append(await serving(aiohttp_server, slow))
+    slow, _ = await late_engine(aiohttp_server, "/pause", 30.0)
+    fakes.append(slow)
     config = {
         "base_url": [f.url for f in fakes],
         "access": {"fleet_control": True},
